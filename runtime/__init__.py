@@ -1,0 +1,1 @@
+"""Artifact loading, kernels, caches and distributed execution (installed as ``k3compile.runtime``)."""
