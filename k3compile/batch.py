@@ -1,0 +1,87 @@
+"""Per-step inputs of the rank-local model and the caches it updates in place.
+
+A step processes T new tokens of N sequences, packed token-major. Prefill packs several
+sequences of any length; decode has exactly one new token per sequence (T = N).
+Positions never enter the math (K3 has no positional encoding: KDA is recurrent and
+MLA is NoPE); they only decide where a token's MLA latent is cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from k3compile.config import K3Config
+from k3compile.sharding import ParallelPlan
+
+
+@dataclass
+class Batch:
+    """Metadata of one forward step (tensors on the model's device)."""
+
+    cu_seqlens: Tensor  # [N+1] int32: offsets of each sequence's new tokens
+    seq_lens: Tensor  # [N] int32: context length of each sequence after this step
+    state_slots: Tensor  # [N] int64: KDA conv/recurrent state slot of each sequence
+    block_table: Tensor  # [N, M] int32: MLA cache blocks of each sequence
+    slot_mapping: Tensor  # [T] int64: flat MLA cache slot of each new token (-1: padding)
+    logit_indices: Tensor  # [n_out] int64: the tokens whose logits the step returns
+    decode: bool = False  # one new token per sequence: the decode graph
+
+
+@dataclass
+class KDALayerCache:
+    """Short-conv states (last K-1 pre-conv inputs of q, k, v) and the fp32 delta-rule state."""
+
+    conv_q: Tensor  # [S, C_local, K-1]
+    conv_k: Tensor
+    conv_v: Tensor
+    state: Tensor  # [S, H_local, D, D] fp32, layout [key dim, value dim]
+
+
+@dataclass
+class MLALayerCache:
+    kv: Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+
+
+LayerCache = KDALayerCache | MLALayerCache
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """How many sequences (KDA state slots) and MLA tokens (blocks x block size) fit."""
+
+    num_slots: int
+    num_blocks: int
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "num_blocks", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CacheShape.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def allocate_caches(
+    cfg: K3Config,
+    plan: ParallelPlan,
+    shape: CacheShape,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[LayerCache]:
+    """Zeroed caches for every layer on this rank (KDA heads are split across TP ranks)."""
+    lin = cfg.linear_attn
+    heads = lin.num_heads // plan.tp
+    channels = heads * lin.head_dim
+    caches: list[LayerCache] = []
+    for kind in cfg.layer_kinds:
+        if kind == "kda":
+            conv = lambda: torch.zeros(  # noqa: E731
+                shape.num_slots, channels, lin.short_conv_kernel_size - 1, dtype=dtype, device=device
+            )
+            state = torch.zeros(shape.num_slots, heads, lin.head_dim, lin.head_dim, dtype=torch.float32, device=device)
+            caches.append(KDALayerCache(conv(), conv(), conv(), state))
+        else:
+            kv = torch.zeros(shape.num_blocks, shape.block_size, cfg.mla_cache_width, dtype=dtype, device=device)
+            caches.append(MLALayerCache(kv))
+    return caches

@@ -1,0 +1,185 @@
+"""Load one rank's slice of a sharded safetensors checkpoint into the rank-local model.
+
+``model.safetensors.index.json`` maps tensor names (with the ``language_model.`` prefix
+for kimi_k3 checkpoints) to shard files. For each parameter the loader reads, through
+safetensors slicing, only the rows/columns its :class:`ShardSpec` assigns to this rank:
+a tensor the rank does not hold is never materialised. Routed experts may be stored as
+``mxfp4-pack-quantized`` (``weight_packed`` + ``weight_scale``), which is dequantised
+exactly; whether a tensor is packed is read from the index, not from the config's
+``ignore`` regexes.
+
+A missing tensor, an unexpected shape or dtype, a missing or corrupt file: a
+:class:`CheckpointError` naming the tensor and the file. On ``meta`` parameters only
+the headers are read and checked, so configs far larger than memory can be validated.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from k3compile.checkpoint.mxfp4 import GROUP_SIZE, check_mxfp4_shapes, unpack_mxfp4
+from k3compile.sharding import ParallelPlan, ShardSpec, shard_specs
+
+INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"bf16": "BF16", "f32": "F32"}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not hold what the model expects."""
+
+
+@dataclass
+class LoadReport:
+    """What a rank read: tensors touched and bytes actually read from disk."""
+
+    tensors: int = 0
+    bytes_read: int = 0
+
+
+class CheckpointReader:
+    """Lazily opened shard files of one model directory, addressed by tensor name."""
+
+    def __init__(self, model_dir: str | Path, prefix: str):
+        self.dir = Path(model_dir)
+        self.prefix = prefix
+        index_path = self.dir / INDEX_FILE
+        if not index_path.is_file():
+            raise CheckpointError(f"{index_path}: missing safetensors index")
+        try:
+            index = json.loads(index_path.read_text())
+            self.weight_map: dict[str, str] = dict(index["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from e
+        self.index_path = index_path
+        self._stack = ExitStack()
+        self._files: dict[str, Any] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.weight_map
+
+    def file_of(self, name: str) -> Path:
+        key = self.prefix + name
+        if key not in self.weight_map:
+            raise CheckpointError(f"tensor '{key}' is missing from {self.index_path}")
+        return self.dir / self.weight_map[key]
+
+    def slice(self, name: str) -> Any:
+        """A safetensors slice handle (shape/dtype from the header, data read on indexing)."""
+        path = self.file_of(name)
+        key = self.prefix + name
+        handle = self._files.get(path.name)
+        if handle is None:
+            if not path.is_file():
+                raise CheckpointError(f"tensor '{key}': shard file {path} does not exist")
+            try:
+                handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"tensor '{key}': cannot open {path}: corrupt safetensors file ({e})") from e
+            self._files[path.name] = handle
+        try:
+            return handle.get_slice(key)
+        except (SafetensorError, KeyError) as e:
+            raise CheckpointError(f"tensor '{key}' is listed in the index but not found in {path}") from e
+
+
+def _read(reader: CheckpointReader, name: str, index: tuple[slice, ...], report: LoadReport) -> torch.Tensor:
+    handle = reader.slice(name)
+    try:
+        t = handle[index]
+    except Exception as e:  # safetensors raises several types for truncated data
+        raise CheckpointError(f"tensor '{reader.prefix}{name}' in {reader.file_of(name)}: cannot read ({e})") from e
+    report.bytes_read += t.numel() * t.element_size()
+    return t
+
+
+def _check_header(reader: CheckpointReader, name: str, shape: tuple[int, ...], dtype: str) -> None:
+    handle = reader.slice(name)
+    got_shape, got_dtype = tuple(handle.get_shape()), handle.get_dtype()
+    where = f"tensor '{reader.prefix}{name}' in {reader.file_of(name)}"
+    if got_shape != shape:
+        raise CheckpointError(f"{where}: shape {list(got_shape)}, expected {list(shape)}")
+    if got_dtype != dtype:
+        raise CheckpointError(f"{where}: dtype {got_dtype}, expected {dtype}")
+
+
+def _dim_index(ndim: int, dim: int | None, rng: tuple[int, int] | None, divisor: int = 1) -> tuple[slice, ...]:
+    index = [slice(None)] * ndim
+    if dim is not None and rng is not None:
+        index[dim] = slice(rng[0] // divisor, rng[1] // divisor)
+    return tuple(index)
+
+
+def read_local_tensor(
+    reader: CheckpointReader, name: str, spec: ShardSpec, plan: ParallelPlan, dtype: torch.dtype, meta: bool,
+    report: LoadReport,
+) -> torch.Tensor | None:
+    """This rank's slice of checkpoint tensor ``name`` (dequantised), or None on meta."""
+    rng = spec.split_range(plan)
+    base = name.removesuffix(".weight")
+    packed_name, scale_name = f"{base}.weight_packed", f"{base}.weight_scale"
+    report.tensors += 1
+    if spec.quantized and not reader.has(name) and reader.has(packed_name):
+        rows, cols = spec.shape
+        p_shape = tuple(reader.slice(packed_name).get_shape())
+        s_shape = tuple(reader.slice(scale_name).get_shape())
+        try:
+            check_mxfp4_shapes(p_shape, s_shape, spec.shape)
+        except ValueError as e:
+            raise CheckpointError(f"tensor '{reader.prefix}{base}' in {reader.file_of(packed_name)}: {e}") from e
+        for n in (packed_name, scale_name):
+            if reader.slice(n).get_dtype() != "U8":
+                raise CheckpointError(f"tensor '{reader.prefix}{n}': dtype {reader.slice(n).get_dtype()}, expected U8")
+        if meta:
+            return None
+        if spec.dim == 1:  # split along the input dim: packed bytes and scale groups
+            packed = _read(reader, packed_name, _dim_index(2, 1, rng, 2), report)
+            scale = _read(reader, scale_name, _dim_index(2, 1, rng, GROUP_SIZE), report)
+        else:
+            packed = _read(reader, packed_name, _dim_index(2, spec.dim, rng), report)
+            scale = _read(reader, scale_name, _dim_index(2, spec.dim, rng), report)
+        try:
+            return unpack_mxfp4(packed, scale, dtype)
+        except ValueError as e:
+            raise CheckpointError(f"tensor '{reader.prefix}{base}' in {reader.file_of(packed_name)}: {e}") from e
+    _check_header(reader, name, spec.shape, _SAFETENSORS_DTYPES[spec.dtype])
+    if meta:
+        return None
+    return _read(reader, name, _dim_index(len(spec.shape), spec.dim, rng), report).to(dtype)
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, plan: ParallelPlan, prefix: str) -> LoadReport:
+    """Fill every parameter of ``model`` with this rank's slice from ``model_dir``.
+
+    Parameters on ``meta`` are only checked against the headers (nothing is read)."""
+    report = LoadReport()
+    params = dict(model.named_parameters())
+    with CheckpointReader(model_dir, prefix) as reader:
+        for fqn, spec in shard_specs(model).items():
+            param = params[fqn]
+            meta = param.device.type == "meta"
+            for i, name in enumerate(spec.names):
+                value = read_local_tensor(reader, name, spec, plan, param.dtype, meta, report)
+                if value is None:
+                    continue
+                target = param.data[i] if spec.stacked else param.data
+                if value.shape != target.shape:
+                    raise CheckpointError(
+                        f"tensor '{prefix}{name}': rank {plan.rank} slice has shape {list(value.shape)}, "
+                        f"parameter {fqn} expects {list(target.shape)}"
+                    )
+                target.copy_(value)
+    return report

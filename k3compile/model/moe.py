@@ -1,0 +1,95 @@
+"""SiTU MLPs and the latent MoE, rank-local (K3_ARCHITECTURE.md section 3).
+
+Latent MoE on the full hidden x:
+
+    w, ids = top-k(sigmoid(x W_gate^T) + bias)          (bias selects only; renormalised)
+    z      = routed_expert_down_proj x                  (hidden -> latent, replicated)
+    y      = all_reduce( sum_k w_k expert_k(z) )        (experts TP-split on intermediate)
+    y      = routed_expert_up_proj( RMSNorm(y; routed_expert_norm) )   (replicated)
+    out    = y + all_reduce( shared_experts(x) )
+
+At TP the up-projection runs, whole and identical, on every rank: the redundancy that
+the dedup pass removes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3compile.config import K3Config
+from k3compile.distributed import TPGroup
+from k3compile.model.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, weight_spec
+from k3compile.sharding import ParallelPlan, ShardSpec, register_sharded_parameter
+
+
+class SiTUMLP(nn.Module):
+    """down(situ_and_mul(gate x, up x)): gate/up column-parallel, down row-parallel.
+
+    Returns the Partial output; the caller all-reduces."""
+
+    def __init__(
+        self, cfg: K3Config, hidden: int, inter: int, prefix: str, plan: ParallelPlan, dtype: torch.dtype
+    ):
+        super().__init__()
+        self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
+        self.gate_proj = ColumnParallelLinear(hidden, inter, f"{prefix}.gate_proj", plan, dtype)
+        self.up_proj = ColumnParallelLinear(hidden, inter, f"{prefix}.up_proj", plan, dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, f"{prefix}.down_proj", plan, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        act = torch.ops.k3.situ_and_mul(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+        return self.down_proj(act)
+
+
+class DenseMLP(nn.Module):
+    """The dense MLP of the first ``first_k_dense_replace`` layers."""
+
+    def __init__(self, cfg: K3Config, layer: int, plan: ParallelPlan, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.mlp = SiTUMLP(cfg, cfg.hidden_size, cfg.intermediate_size, f"model.layers.{layer}.mlp", plan, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.all_reduce(self.mlp(x))
+
+
+def expert_spec(cfg: K3Config, layer: int, proj: str, shape: tuple[int, int], dim: int) -> ShardSpec:
+    base = f"model.layers.{layer}.block_sparse_moe.experts"
+    names = tuple(f"{base}.{e}.{proj}.weight" for e in range(cfg.num_experts))
+    return ShardSpec(names=names, shape=shape, dtype="bf16", dim=dim, quantized=True)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: K3Config, layer: int, plan: ParallelPlan, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, latent, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+        prefix = f"model.layers.{layer}.block_sparse_moe"
+        self.tp = tp
+        self.top_k = cfg.num_experts_per_token
+        self.renormalize = cfg.moe_renormalize
+        self.scaling = cfg.routed_scaling_factor
+        self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
+
+        self.gate = ReplicatedLinear(hidden, cfg.num_experts, f"{prefix}.gate", plan, dtype)
+        spec = weight_spec(f"{prefix}.gate.e_score_correction_bias", (cfg.num_experts,), None, "f32")
+        register_sharded_parameter(self.gate, "e_score_correction_bias", spec, plan, dtype)
+        self.routed_expert_down_proj = ReplicatedLinear(hidden, latent, f"{prefix}.routed_expert_down_proj", plan, dtype)
+        self.experts = nn.Module()
+        for proj, shape, dim in (("w1", (inter, latent), 0), ("w3", (inter, latent), 0), ("w2", (latent, inter), 1)):
+            register_sharded_parameter(self.experts, proj, expert_spec(cfg, layer, proj, shape, dim), plan, dtype)
+        self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps, f"{prefix}.routed_expert_norm", plan, dtype)
+        self.routed_expert_up_proj = ReplicatedLinear(latent, hidden, f"{prefix}.routed_expert_up_proj", plan, dtype)
+        self.shared_experts = SiTUMLP(cfg, hidden, cfg.shared_intermediate_size, f"{prefix}.shared_experts", plan, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, ids = torch.ops.k3.sigmoid_topk_route(
+            logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling
+        )
+        z = self.routed_expert_down_proj(x)
+        e = self.experts
+        routed = torch.ops.k3.moe_experts(z, weights, ids, e.w1, e.w3, e.w2, self.beta, self.linear_beta)
+        routed = self.routed_expert_up_proj(self.routed_expert_norm(self.tp.all_reduce(routed)))
+        return routed + self.tp.all_reduce(self.shared_experts(x))

@@ -1,0 +1,26 @@
+"""``k3::attn_res_mix``: the Attention Residuals mix over block summaries.
+
+Candidates v_0..v_n = [*blocks, partial] (each [T, D]). Each is scored by
+logit_i = < v_i * rsqrt(mean(v_i^2) + eps) * norm_w, proj_w >, the scores are
+softmax-ed over candidates per token, and the output mixes the *raw* candidates:
+out = sum_i softmax(logit)_i * v_i. The normalisation only scores. All in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("k3::attn_res_mix", mutates_args=())
+def attn_res_mix(partial: Tensor, blocks: list[Tensor], proj: Tensor, norm: Tensor, eps: float) -> Tensor:
+    v = torch.stack([*blocks, partial]).float()  # [n+1, T, D]
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    logits = (normed * (norm.float() * proj.float().reshape(-1))).sum(-1)  # [n+1, T]
+    weights = torch.softmax(logits, dim=0)
+    return (weights.unsqueeze(-1) * v).sum(0).to(partial.dtype)
+
+
+@attn_res_mix.register_fake
+def _(partial: Tensor, blocks: list[Tensor], proj: Tensor, norm: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(partial)

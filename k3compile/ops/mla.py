@@ -1,0 +1,117 @@
+"""Gated NoPE MLA attention ops over a paged latent cache.
+
+Cache layout (one tensor per MLA layer): ``kv_cache[num_blocks, block_size, W]`` with
+W = kv_lora_rank + qk_rope_head_dim (576 in K3): per token the RMS-normalised latent
+(first kv_lora_rank values) followed by k_pe, the key part shared by all heads (no
+rotary embedding: NoPE). Sequence i's position p lives in block
+``block_table[i, p // block_size]`` at offset ``p % block_size``.
+
+``k3::mla_cache_write``  stores new tokens' (latent, k_pe) at their flat slots in place.
+``k3::mla_prefill``      the naive form: k_nope = W_UK latent, v = W_UV latent per head
+                         (kv_b_proj rows are per head [k_nope | v]), causal softmax of
+                         scale * (q_nope.k_nope + q_pe.k_pe) over the whole context.
+``k3::mla_decode``       the absorbed form: a W-wide query (q_nope W_UK ++ q_pe) against
+                         the W-wide cache, values the first kv_lora_rank entries; returns
+                         the latent output and the log-sum-exp of the scaled scores
+                         (-inf and a zero output for an empty context), so that partial
+                         results over disjoint positions can be merged exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def gather_context(kv_cache: Tensor, block_table_row: Tensor, length: int) -> Tensor:
+    """The first ``length`` cached tokens of one sequence, [length, W]."""
+    block_size = kv_cache.shape[1]
+    pos = torch.arange(length, device=kv_cache.device)
+    blocks = block_table_row.long()[pos // block_size]
+    return kv_cache[blocks, pos % block_size]
+
+
+@torch.library.custom_op("k3::mla_cache_write", mutates_args=("kv_cache",))
+def mla_cache_write(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor) -> None:
+    """kv [T, W] goes to flat slots ``slot_mapping`` [T]; negative slots are padding."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    valid = slot_mapping >= 0
+    flat.index_copy_(0, slot_mapping[valid].long(), kv[valid].to(flat.dtype))
+
+
+@mla_cache_write.register_fake
+def _(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("k3::mla_prefill", mutates_args=())
+def mla_prefill(
+    q: Tensor,
+    kv_cache: Tensor,
+    kv_b_weight: Tensor,
+    cu_seqlens: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """q [T, H, Dn+R] (packed new tokens; each sequence's new tokens are the last of its
+    ``seq_lens[i]`` context positions, already written to the cache) -> o [T, H, Dv]."""
+    T, H, Dqk = q.shape
+    L = kv_b_weight.shape[1]
+    R = kv_cache.shape[-1] - L
+    Dn = Dqk - R
+    w = kv_b_weight.float().view(H, -1, L)
+    w_uk, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
+    out = q.new_zeros(T, H, w_uv.shape[1])
+    cu = cu_seqlens.tolist()
+    for i, ctx in enumerate(seq_lens.tolist()):
+        start, stop = cu[i], cu[i + 1]
+        n_new = stop - start
+        if n_new == 0:
+            continue
+        c = gather_context(kv_cache, block_table[i], ctx).float()
+        latent, k_pe = c[:, :L], c[:, L:]
+        k_nope = torch.einsum("cl,hdl->hcd", latent, w_uk)  # [H, ctx, Dn]
+        v = torch.einsum("cl,hdl->hcd", latent, w_uv)  # [H, ctx, Dv]
+        qi = q[start:stop].float().transpose(0, 1)  # [H, n_new, Dqk]
+        scores = qi[..., :Dn] @ k_nope.transpose(1, 2) + (qi[..., Dn:] @ k_pe.t()).expand(H, -1, -1)
+        q_pos = torch.arange(ctx - n_new, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]
+        probs = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), dim=-1)
+        out[start:stop] = (probs @ v).transpose(0, 1).to(out.dtype)
+    return out
+
+
+@mla_prefill.register_fake
+def _(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale):
+    H = q.shape[1]
+    L = kv_b_weight.shape[1]
+    Dn = q.shape[-1] - (kv_cache.shape[-1] - L)
+    return q.new_empty(q.shape[0], H, kv_b_weight.shape[0] // H - Dn)
+
+
+@torch.library.custom_op("k3::mla_decode", mutates_args=())
+def mla_decode(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, value_dim: int
+) -> tuple[Tensor, Tensor]:
+    """q [B, H, W] absorbed queries -> (o [B, H, value_dim] in q.dtype, lse [B, H] fp32)."""
+    B, H, W = q.shape
+    block_size = kv_cache.shape[1]
+    max_len = block_table.shape[1] * block_size
+    pos = torch.arange(max_len, device=q.device)
+    blocks = block_table.long().gather(1, (pos // block_size).expand(B, -1))  # [B, max_len]
+    ctx = kv_cache[blocks, (pos % block_size).expand(B, -1)].float()  # [B, max_len, W]
+    scores = torch.einsum("bhw,bcw->bhc", q.float(), ctx) * scale
+    valid = pos[None, :] < seq_lens.long()[:, None]  # [B, max_len]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where the context is empty
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    probs = probs.nan_to_num(0.0)
+    out = torch.einsum("bhc,bcl->bhl", probs, ctx[..., :value_dim])
+    return out.to(q.dtype), lse
+
+
+@mla_decode.register_fake
+def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
+    B, H, _ = q.shape
+    return q.new_empty(B, H, value_dim), q.new_empty(B, H, dtype=torch.float32)

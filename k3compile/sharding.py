@@ -1,0 +1,168 @@
+"""Parallel plan, placements and per-parameter sharding specs.
+
+Every parameter of the rank-local model carries a :class:`ShardSpec`: which checkpoint
+tensor(s) it comes from, their full shape and storage format, and which slice a rank
+holds. One spec serves three readers: the loader (each rank reads only its slice), the
+model generator (which writes the full tensors), and the placement analysis (a
+parameter is ``Shard(d)`` or ``Replicate()`` on the TP mesh).
+
+Placements follow DTensor/GSPMD: ``Replicate`` (every rank holds the same value),
+``Shard(d)`` (rank r holds the r-th equal block along dim d), ``Partial`` (the value is
+the sum over ranks of what each rank holds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+CheckpointDType = Literal["bf16", "f32"]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+class ShardingError(ValueError):
+    """A tensor cannot be split the way the parallel plan asks."""
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Replicate | Shard | Partial
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the model is split: tensor parallelism ``tp``; this process is ``rank``."""
+
+    tp: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ShardingError(f"tp must be >= 1, got {self.tp}")
+        if not 0 <= self.rank < self.tp:
+            raise ShardingError(f"rank {self.rank} is outside [0, tp={self.tp})")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which part of which checkpoint tensor(s) one rank's parameter holds.
+
+    ``names`` holds one checkpoint name, or several that are stacked along a new
+    leading dim (routed experts: one tensor per expert, one stacked parameter).
+    ``shape`` is the full logical shape of each named tensor (for mxfp4 tensors the
+    dequantised shape). ``quantized`` marks tensors a checkpoint may store as
+    ``mxfp4-pack-quantized`` (``<base>.weight_packed`` + ``<base>.weight_scale`` instead of
+    ``<base>.weight``; the loader reads which from the index). ``dim`` is the
+    checkpoint dim split across TP ranks (None: replicated); when ``extent`` is set only
+    the first ``extent`` entries of ``dim`` are used and split (``A_log`` is stored with
+    128 entries of which the first H are the heads').
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: CheckpointDType
+    dim: int | None = None
+    extent: int | None = None
+    quantized: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ShardingError("a ShardSpec needs at least one checkpoint name")
+        if self.dim is not None and not 0 <= self.dim < len(self.shape):
+            raise ShardingError(f"{self.names[0]}: shard dim {self.dim} out of range for shape {self.shape}")
+        if self.extent is not None and (self.dim is None or self.extent > self.shape[self.dim]):
+            raise ShardingError(f"{self.names[0]}: extent {self.extent} needs a shard dim of at least that size")
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.names) > 1
+
+    def split_range(self, plan: ParallelPlan) -> tuple[int, int] | None:
+        """[start, stop) along ``dim`` held by ``plan.rank``; None when replicated."""
+        if self.dim is None:
+            return None
+        extent = self.shape[self.dim] if self.extent is None else self.extent
+        if extent % plan.tp:
+            raise ShardingError(
+                f"{self.names[0]}: dim {self.dim} of size {extent} does not divide by tp={plan.tp}"
+            )
+        block = extent // plan.tp
+        if self.quantized and self.dim == len(self.shape) - 1 and block % 32:
+            raise ShardingError(
+                f"{self.names[0]}: mxfp4 input dim split into blocks of {block}, not a multiple of 32"
+            )
+        return plan.rank * block, (plan.rank + 1) * block
+
+    def local_shape(self, plan: ParallelPlan) -> tuple[int, ...]:
+        shape = list(self.shape)
+        rng = self.split_range(plan)
+        if rng is not None:
+            shape[self.dim] = rng[1] - rng[0]
+        return (len(self.names), *shape) if self.stacked else tuple(shape)
+
+    def param_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """F32 checkpoint tensors (norms, gates, conv) stay fp32; the rest take the model dtype."""
+        return torch.float32 if self.dtype == "f32" else model_dtype
+
+    @property
+    def placement(self) -> Placement:
+        if self.dim is None:
+            return Replicate()
+        return Shard(self.dim + (1 if self.stacked else 0))
+
+    def full_numel(self) -> int:
+        return math.prod(self.shape) * len(self.names)
+
+
+def register_sharded_parameter(
+    module: nn.Module, name: str, spec: ShardSpec, plan: ParallelPlan, model_dtype: torch.dtype
+) -> nn.Parameter:
+    """Create ``module.<name>`` with the rank-local shape of ``spec`` and record the spec.
+
+    The tensor is uninitialised (or on ``meta`` under ``torch.device('meta')``): the
+    loader fills it from the checkpoint.
+    """
+    param = nn.Parameter(
+        torch.empty(spec.local_shape(plan), dtype=spec.param_dtype(model_dtype)), requires_grad=False
+    )
+    module.register_parameter(name, param)
+    specs: dict[str, ShardSpec] = module.__dict__.setdefault("shard_specs", {})
+    specs[name] = spec
+    return param
+
+
+def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    """Every parameter's spec by its fully qualified name; fails if one has none."""
+    out: dict[str, ShardSpec] = {}
+    for mod_name, mod in model.named_modules():
+        for pname, spec in mod.__dict__.get("shard_specs", {}).items():
+            out[f"{mod_name}.{pname}" if mod_name else pname] = spec
+    missing = [n for n, _ in model.named_parameters() if n not in out]
+    if missing:
+        raise ShardingError(f"parameters without a shard spec: {missing[:5]}")
+    return out
