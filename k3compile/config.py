@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -227,7 +228,7 @@ def parse_text_config(d: dict[str, Any], path: str, where: str = "", checkpoint_
         kda_layers=_get_layer_list(lin, "kda_layers", lwhere, path),
     )
     cfg = K3Config(linear_attn=kda, checkpoint_prefix=checkpoint_prefix, **values)
-    validate(cfg, path)
+    validate(cfg, path, where)
     return cfg
 
 
@@ -237,8 +238,8 @@ def load_config(model_dir: str | Path) -> K3Config:
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in model directory {model_dir}")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
@@ -277,14 +278,19 @@ def config_to_hf_dict(cfg: K3Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 
 
-def validate(cfg: K3Config, path: str) -> None:
-    """Raise :class:`ConfigError` for any value the reference model cannot run exactly."""
+def validate(cfg: K3Config, path: str, where: str = "") -> None:
+    """Raise :class:`ConfigError` for any value the reference model cannot run exactly.
+
+    ``where`` is the JSON path of the text config in the file (``"text_config."`` for
+    kimi_k3), so messages name fields as they appear in config.json."""
 
     def fail(name: str, msg: str) -> None:
-        raise ConfigError(f"{path}: field '{name}' {msg}")
+        raise ConfigError(f"{path}: field '{where}{name}' {msg}")
 
     for attr, key, typ in _TEXT_FIELDS:
         value = getattr(cfg, attr)
+        if typ is float and not math.isfinite(value):
+            fail(key, f"must be a finite number, got {value}")
         if typ is int and key not in ("bos_token_id", "eos_token_id", "pad_token_id", "first_k_dense_replace"):
             if value <= 0:
                 fail(key, f"must be positive, got {value}")
@@ -296,8 +302,10 @@ def validate(cfg: K3Config, path: str) -> None:
             fail(key, f"must be a token id in [0, vocab_size={cfg.vocab_size}), got {tok}")
     if cfg.hidden_act != "situ":
         fail("hidden_act", f"must be 'situ' (SiTU-GLU), got {cfg.hidden_act!r}")
-    if cfg.situ_beta <= 0 or cfg.situ_linear_beta <= 0:
-        fail("activation_situ_beta", "and activation_situ_linear_beta must be positive")
+    if cfg.situ_beta <= 0:
+        fail("activation_situ_beta", f"must be positive, got {cfg.situ_beta}")
+    if cfg.situ_linear_beta <= 0:
+        fail("activation_situ_linear_beta", f"must be positive, got {cfg.situ_linear_beta}")
     if cfg.tie_word_embeddings:
         fail("tie_word_embeddings", "must be false (K3 has a separate lm_head)")
     if not cfg.mla_use_nope:
@@ -311,17 +319,19 @@ def validate(cfg: K3Config, path: str) -> None:
         fail("v_head_dim", f"must equal qk_nope_head_dim ({cfg.qk_nope_head_dim}), got {cfg.v_head_dim}")
     if cfg.moe_router_activation_func != "sigmoid":
         fail("moe_router_activation_func", f"must be 'sigmoid', got {cfg.moe_router_activation_func!r}")
-    if cfg.use_grouped_topk and (cfg.num_expert_group != 1 or cfg.topk_group != 1):
-        fail("num_expert_group", "and topk_group must be 1 (group-limited routing is not implemented)")
+    for key in ("num_expert_group", "topk_group"):
+        if cfg.use_grouped_topk and getattr(cfg, key) != 1:
+            fail(key, f"must be 1 (group-limited routing is not implemented), got {getattr(cfg, key)}")
     if not cfg.latent_moe_use_norm:
         fail("latent_moe_use_norm", "must be true (routed_expert_norm is part of K3)")
     if cfg.num_experts_per_token > cfg.num_experts:
         fail("num_experts_per_token", f"must be <= num_experts ({cfg.num_experts})")
     if cfg.first_k_dense_replace < 0 or cfg.first_k_dense_replace > cfg.num_hidden_layers:
         fail("first_k_dense_replace", f"must be in [0, num_hidden_layers], got {cfg.first_k_dense_replace}")
-    if cfg.routed_expert_hidden_size % 32 or cfg.moe_intermediate_size % 32:
-        # mxfp4 experts quantise in groups of 32 along each input dim.
-        fail("routed_expert_hidden_size", "and moe_intermediate_size must be multiples of 32 (mxfp4 groups)")
+    for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
+        if getattr(cfg, key) % 32:
+            # mxfp4 experts quantise in groups of 32 along each input dim.
+            fail(key, f"must be a multiple of 32 (mxfp4 groups), got {getattr(cfg, key)}")
 
     lin = cfg.linear_attn
     lw = "linear_attn_config."
@@ -330,7 +340,7 @@ def validate(cfg: K3Config, path: str) -> None:
             fail(lw + key, f"must be positive, got {getattr(lin, key)}")
     if lin.short_conv_kernel_size < 2:
         fail(lw + "short_conv_kernel_size", "must be >= 2")
-    if lin.gate_lower_bound >= 0:
+    if not math.isfinite(lin.gate_lower_bound) or lin.gate_lower_bound >= 0:
         fail(lw + "gate_lower_bound", f"must be negative (log-space decay bound), got {lin.gate_lower_bound}")
     if not lin.use_full_rank_gate:
         fail(lw + "use_full_rank_gate", "must be true (K3 uses the full-rank output gate g_proj)")

@@ -17,26 +17,32 @@ import torch.distributed._functional_collectives as funcol
 
 @dataclass(frozen=True)
 class TPGroup:
-    """The tensor-parallel group as the model sees it: its size and its process group."""
+    """The tensor-parallel group as the model sees it: its size and its process group.
+
+    ``group`` may be None for a size > 1 when the model is only built (e.g. on ``meta``
+    to count parameters or check shapes); running a collective then fails clearly."""
 
     size: int = 1
     group: dist.ProcessGroup | None = None
 
-    def __post_init__(self) -> None:
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"a TP group of size {self.size} needs a process group")
+    def _group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            raise RuntimeError(f"TP group of size {self.size} has no process group; initialise torch.distributed")
+        return self.group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the group (Partial -> Replicate)."""
         if self.size == 1:
             return x
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.group))
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self._group()))
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenation of every rank's ``x`` along ``dim`` (Shard(dim) -> Replicate)."""
         if self.size == 1:
             return x
-        return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, self.group))
+        # funcol gathers along dim 0 only: stack ranks first, then lay them out along ``dim``.
+        stacked = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, self._group()))
+        return torch.cat(torch.chunk(stacked, self.size, dim=0), dim=dim)
 
 
 def world_tp_group() -> TPGroup:

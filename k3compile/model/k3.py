@@ -105,7 +105,7 @@ class K3ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
-        tp = tp or TPGroup()
+        tp = tp or TPGroup(plan.tp)
         if tp.size != plan.tp:
             raise ValueError(f"process group size {tp.size} does not match the plan's tp={plan.tp}")
         check_divisible(cfg, plan.tp)

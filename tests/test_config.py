@@ -1,0 +1,475 @@
+"""config.json reading: both layouts, every preset round-trips, every bad field is named.
+
+Every test writes a real config.json into pytest's tmp_path and reads it back with
+:func:`load_config`; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3compile.config import (
+    PRESETS,
+    ConfigError,
+    K3Config,
+    config_to_hf_dict,
+    get_preset,
+    load_config,
+)
+
+# Every JSON key of the language-model config (text_config / the flat kimi_linear file).
+TEXT_KEYS = [
+    "hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
+    "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "num_attention_heads",
+    "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "mla_use_nope", "mla_use_output_gate", "intermediate_size", "first_k_dense_replace",
+    "num_experts", "num_experts_per_token", "num_shared_experts", "moe_intermediate_size",
+    "routed_expert_hidden_size", "latent_moe_use_norm", "routed_scaling_factor", "moe_renormalize",
+    "moe_router_activation_func", "use_grouped_topk", "num_expert_group", "topk_group",
+    "attn_res_block_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+    "linear_attn_config",
+]  # fmt: skip
+KDA_KEYS = [
+    "num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate",
+    "full_attn_layers", "kda_layers",
+]  # fmt: skip
+
+
+def write_config(tmp_path: Path, content: Any, name: str = "model") -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    return d
+
+
+def k3_dict(preset: str = "tiny") -> dict[str, Any]:
+    """A kimi_k3 config.json as the real checkpoint lays it out (vision tower and all)."""
+    d = copy.deepcopy(config_to_hf_dict(PRESETS[preset]))
+    assert d["model_type"] == "kimi_k3"
+    return d
+
+
+def text(d: dict[str, Any]) -> dict[str, Any]:
+    return d["text_config"] if d.get("model_type") == "kimi_k3" else d
+
+
+def expect_error(tmp_path: Path, content: Any, field: str, name: str = "model") -> str:
+    """load_config fails with a ConfigError naming ``field`` (quoted, full path) and the file."""
+    d = write_config(tmp_path, content, name)
+    with pytest.raises(ConfigError) as info:
+        load_config(d)
+    msg = str(info.value)
+    assert f"'{field}'" in msg, msg
+    assert str(d / "config.json") in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------
+# Reading both layouts
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_round_trips_through_a_file(tmp_path, preset):
+    cfg = PRESETS[preset]
+    hf = config_to_hf_dict(cfg)
+    assert hf["model_type"] == ("kimi_linear" if preset == "tiny-linear" else "kimi_k3")
+    loaded = load_config(write_config(tmp_path, hf))
+    assert loaded == cfg
+    assert loaded.to_dict() == cfg.to_dict()
+    assert isinstance(loaded.linear_attn.full_attn_layers, tuple)
+
+
+def test_kimi_k3_nests_text_config_and_ignores_other_keys(tmp_path):
+    d = k3_dict("tiny")
+    d["architectures"] = ["KimiK3ForConditionalGeneration"]
+    d["vision_config"] = {"model_type": "moonvit", "hidden_size": "not-an-int", "patch_size": 14, "depth": 27}
+    d["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "ignore": ["re:.*self_attn.*", "lm_head", "re:vision_tower.*"],
+    }
+    d["mm_projector_type"] = "patchmerger"
+    d["mm_hidden_size"] = 1152
+    d["media_placeholder_token_id"] = 163605
+    d["hidden_size"] = "top-level keys are not the text model's"  # read only under text_config
+    d["tie_word_embeddings"] = True
+    d["text_config"]["rope_theta"] = 50000.0  # unused keys inside text_config are fine too
+    d["text_config"]["torch_dtype"] = "bfloat16"
+    cfg = load_config(write_config(tmp_path, d))
+    assert cfg == PRESETS["tiny"]
+    assert cfg.checkpoint_prefix == "language_model."
+
+
+def test_kimi_linear_flat_layout_has_no_prefix(tmp_path):
+    d = config_to_hf_dict(PRESETS["tiny-linear"])
+    assert d["model_type"] == "kimi_linear" and "text_config" not in d
+    d["rope_theta"] = 50000.0
+    d["vision_config"] = {"ignored": True}
+    cfg = load_config(write_config(tmp_path, d))
+    assert cfg.checkpoint_prefix == ""
+    assert cfg == PRESETS["tiny-linear"]
+
+
+def test_same_text_config_in_either_layout(tmp_path):
+    """A flat kimi_linear file and the same fields under a kimi_k3 text_config give the same
+    model; only the checkpoint prefix differs."""
+    flat = config_to_hf_dict(PRESETS["tiny-linear"])
+    nested = {"model_type": "kimi_k3", "text_config": flat, "vision_config": {}}
+    a = load_config(write_config(tmp_path, flat, "flat"))
+    b = load_config(write_config(tmp_path, nested, "nested"))
+    assert (a.checkpoint_prefix, b.checkpoint_prefix) == ("", "language_model.")
+    assert a.replace(checkpoint_prefix="language_model.") == b
+
+
+def test_integer_valued_floats_are_accepted(tmp_path):
+    d = k3_dict()
+    d["text_config"]["routed_scaling_factor"] = 1  # JSON writers drop the ".0"
+    d["text_config"]["linear_attn_config"]["gate_lower_bound"] = -5
+    cfg = load_config(write_config(tmp_path, d))
+    assert cfg.routed_scaling_factor == 1.0 and isinstance(cfg.routed_scaling_factor, float)
+    assert cfg.linear_attn.gate_lower_bound == -5.0 and isinstance(cfg.linear_attn.gate_lower_bound, float)
+
+
+# ---------------------------------------------------------------------------
+# The real K3 and the tiny presets
+# ---------------------------------------------------------------------------
+
+# K3_ARCHITECTURE.md section 2, written out independently of the preset code.
+K3_TEXT_CONFIG = {
+    "model_type": "kimi_linear",
+    "architectures": ["KimiLinearForCausalLM"],
+    "hidden_size": 7168, "num_hidden_layers": 93, "num_attention_heads": 96, "num_key_value_heads": 96,
+    "vocab_size": 163840, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "hidden_act": "situ", "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+    "mla_use_output_gate": True, "num_experts": 896, "num_experts_per_token": 16,
+    "num_shared_experts": 2, "moe_intermediate_size": 3072, "intermediate_size": 33792,
+    "first_k_dense_replace": 1, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
+    "routed_scaling_factor": 1.0, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+    "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "attn_res_block_size": 12,
+    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+    "linear_attn_config": {
+        "num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+        "full_attn_layers": [*range(4, 93, 4), 93],
+        "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+    },
+}  # fmt: skip
+
+
+def test_real_k3_config_json_matches_the_preset(tmp_path):
+    d = {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": K3_TEXT_CONFIG,
+        "vision_config": {"model_type": "moonvit", "hidden_size": 1152},
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
+    }
+    assert load_config(write_config(tmp_path, d)) == PRESETS["k3"]
+    assert config_to_hf_dict(PRESETS["k3"])["text_config"]["linear_attn_config"] == K3_TEXT_CONFIG["linear_attn_config"]
+
+
+def test_k3_preset_values():
+    k3 = get_preset("k3")
+    assert k3 is PRESETS["k3"]
+    assert (k3.hidden_size, k3.num_hidden_layers, k3.vocab_size) == (7168, 93, 163840)
+    assert (k3.num_attention_heads, k3.num_key_value_heads) == (96, 96)
+    assert k3.max_position_embeddings == 1048576 and k3.rms_norm_eps == 1e-5
+    assert k3.tie_word_embeddings is False and k3.hidden_act == "situ"
+    assert (k3.situ_beta, k3.situ_linear_beta) == (4.0, 25.0)
+    assert (k3.q_lora_rank, k3.kv_lora_rank) == (1536, 512)
+    assert (k3.qk_nope_head_dim, k3.qk_rope_head_dim, k3.v_head_dim) == (128, 64, 128)
+    assert k3.mla_use_nope and k3.mla_use_output_gate
+    assert (k3.num_experts, k3.num_experts_per_token, k3.num_shared_experts) == (896, 16, 2)
+    assert (k3.moe_intermediate_size, k3.intermediate_size, k3.first_k_dense_replace) == (3072, 33792, 1)
+    assert k3.routed_expert_hidden_size == 3584 and k3.latent_moe_use_norm
+    assert k3.routed_scaling_factor == 1.0 and k3.moe_renormalize
+    assert k3.moe_router_activation_func == "sigmoid"
+    assert (k3.use_grouped_topk, k3.num_expert_group, k3.topk_group) == (True, 1, 1)
+    assert k3.attn_res_block_size == 12
+    assert (k3.bos_token_id, k3.eos_token_id, k3.pad_token_id) == (163584, 163586, 163839)
+    assert k3.checkpoint_prefix == "language_model."
+    lin = k3.linear_attn
+    assert (lin.num_heads, lin.head_dim, lin.short_conv_kernel_size) == (96, 128, 4)
+    assert lin.gate_lower_bound == -5.0 and lin.use_full_rank_gate
+    # 1-based lists as in config.json: [4, 8, ..., 92, 93].
+    assert lin.full_attn_layers == (*range(4, 93, 4), 93)
+    assert len(lin.full_attn_layers) == 24 and len(lin.kda_layers) == 69
+    # 0-based: MLA at 3, 7, ..., 91 and 92; the rest (layer 0 included) KDA.
+    kinds = k3.layer_kinds
+    assert len(kinds) == 93
+    assert [i for i, k in enumerate(kinds) if k == "mla"] == [*range(3, 92, 4), 92]
+    assert kinds[0] == "kda" and kinds[90] == "kda" and kinds[91] == kinds[92] == "mla"
+    assert not k3.is_moe_layer(0) and sum(map(k3.is_moe_layer, range(93))) == 92
+    # Derived widths.
+    assert k3.qk_head_dim == 192 and k3.mla_cache_width == 576
+    assert k3.shared_intermediate_size == 6144
+    assert k3.mla_softmax_scale == pytest.approx(192**-0.5)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-h24", "tiny-linear"])
+def test_tiny_presets_keep_the_structure(preset):
+    cfg = PRESETS[preset]
+    kinds = cfg.layer_kinds
+    n = cfg.num_hidden_layers
+    assert kinds[-2:] == ("mla", "mla")  # two MLA layers in a row at the tail, as K3's 91, 92
+    assert kinds[0] == "kda" and not cfg.is_moe_layer(0)  # dense layer 0 is KDA
+    assert all(cfg.is_moe_layer(i) for i in range(1, n))
+    assert cfg.first_k_dense_replace == 1
+    # An AttnRes block boundary strictly inside the model (not only layer 0).
+    assert any(i % cfg.attn_res_block_size == 0 for i in range(1, n))
+    assert cfg.attn_res_block_size < n
+    assert cfg.linear_attn.short_conv_kernel_size == 4 and cfg.num_shared_experts == 2
+    assert cfg.checkpoint_prefix == ("" if preset == "tiny-linear" else "language_model.")
+
+
+def test_tiny_preset_layouts():
+    tiny = PRESETS["tiny"]
+    assert tiny.layer_kinds == ("kda", "kda", "mla", "kda", "kda", "mla", "mla")
+    assert [i for i in range(7) if i % tiny.attn_res_block_size == 0] == [0, 3, 6]
+    h24 = PRESETS["tiny-h24"]
+    assert h24.num_attention_heads == 24 and h24.num_key_value_heads == 24
+    assert h24.linear_attn.num_heads == 24
+    assert h24.num_attention_heads // 2 == 12  # TP2 leaves K3's TP8 per-rank head count
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="tiny-h24"):
+        get_preset("huge")
+
+
+# ---------------------------------------------------------------------------
+# Errors: each names the field (with its path) and the file
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", TEXT_KEYS)
+def test_missing_text_field(tmp_path, key):
+    d = k3_dict()
+    del d["text_config"][key]
+    msg = expect_error(tmp_path, d, f"text_config.{key}")
+    assert "missing" in msg
+
+
+@pytest.mark.parametrize("key", KDA_KEYS)
+def test_missing_linear_attn_field(tmp_path, key):
+    d = k3_dict()
+    del d["text_config"]["linear_attn_config"][key]
+    expect_error(tmp_path, d, f"text_config.linear_attn_config.{key}")
+
+
+def test_missing_field_in_flat_layout_has_no_text_config_path(tmp_path):
+    d = config_to_hf_dict(PRESETS["tiny-linear"])
+    del d["num_experts"]
+    msg = expect_error(tmp_path, d, "num_experts")
+    assert "text_config." not in msg
+    d = config_to_hf_dict(PRESETS["tiny-linear"])
+    del d["linear_attn_config"]["kda_layers"]
+    msg = expect_error(tmp_path, d, "linear_attn_config.kda_layers", "second")
+    assert "text_config." not in msg
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("hidden_size", "64"),  # string for int
+        ("num_experts", True),  # bool for int
+        ("num_hidden_layers", 7.0),  # float for int
+        ("q_lora_rank", None),
+        ("rms_norm_eps", "1e-5"),  # string for float
+        ("routed_scaling_factor", False),  # bool for float
+        ("mla_use_nope", 1),  # int for bool
+        ("tie_word_embeddings", "false"),
+        ("hidden_act", 1),  # int for str
+        ("linear_attn_config", [1, 2]),  # list for object
+    ],
+)
+def test_wrong_type_text_field(tmp_path, key, value):
+    d = k3_dict()
+    d["text_config"][key] = value
+    expect_error(tmp_path, d, f"text_config.{key}")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_heads", "4"),
+        ("head_dim", True),
+        ("gate_lower_bound", "-5"),
+        ("use_full_rank_gate", 1),
+        ("full_attn_layers", 3),  # not a list
+        ("full_attn_layers", ["3", "6", "7"]),  # strings in the list
+        ("kda_layers", [1, 2, 4, 5.0]),  # float in the list
+        ("kda_layers", [True, 2, 4, 5]),  # bool in the list
+    ],
+)
+def test_wrong_type_linear_attn_field(tmp_path, key, value):
+    d = k3_dict()
+    d["text_config"]["linear_attn_config"][key] = value
+    expect_error(tmp_path, d, f"text_config.linear_attn_config.{key}")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_float(tmp_path, value):
+    d = k3_dict()
+    d["text_config"]["rms_norm_eps"] = value  # json.dumps writes NaN / Infinity, json.loads reads them
+    expect_error(tmp_path, d, "text_config.rms_norm_eps")
+
+
+def test_zero_based_layer_lists_are_rejected(tmp_path):
+    """Layer lists are 1-based; a 0-based list (layer 0 present) is an error, not a shift."""
+    d = k3_dict()
+    lin = d["text_config"]["linear_attn_config"]
+    lin["full_attn_layers"] = [2, 5, 6]
+    lin["kda_layers"] = [0, 1, 3, 4]
+    msg = expect_error(tmp_path, d, "text_config.linear_attn_config.kda_layers")
+    assert "1-based" in msg and "[0]" in msg
+
+
+def test_zero_in_full_attn_layers(tmp_path):
+    d = k3_dict()
+    lin = d["text_config"]["linear_attn_config"]
+    lin["full_attn_layers"] = [0, 3, 6, 7]
+    lin["kda_layers"] = [1, 2, 4, 5]
+    msg = expect_error(tmp_path, d, "text_config.linear_attn_config.full_attn_layers")
+    assert "1-based" in msg
+
+
+def test_layer_beyond_the_model(tmp_path):
+    d = k3_dict()
+    d["text_config"]["linear_attn_config"]["full_attn_layers"] = [3, 6, 7, 8]
+    expect_error(tmp_path, d, "text_config.linear_attn_config.full_attn_layers")
+
+
+def test_overlapping_layer_lists(tmp_path):
+    d = k3_dict()
+    d["text_config"]["linear_attn_config"]["kda_layers"] = [1, 2, 3, 4, 5]  # 3 is also MLA
+    msg = expect_error(tmp_path, d, "text_config.linear_attn_config.kda_layers")
+    assert "full_attn_layers" in msg and "[3]" in msg
+
+
+def test_incomplete_layer_lists(tmp_path):
+    d = k3_dict()
+    d["text_config"]["linear_attn_config"]["kda_layers"] = [1, 2, 5]  # layer 4 in neither
+    msg = expect_error(tmp_path, d, "text_config.linear_attn_config.kda_layers")
+    assert "[4]" in msg
+
+
+def test_layer_listed_twice(tmp_path):
+    d = k3_dict()
+    d["text_config"]["linear_attn_config"]["full_attn_layers"] = [3, 6, 7, 7]
+    expect_error(tmp_path, d, "text_config.linear_attn_config.full_attn_layers")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("hidden_act", "silu"),
+        ("moe_router_activation_func", "softmax"),
+        ("tie_word_embeddings", True),
+        ("mla_use_nope", False),
+        ("mla_use_output_gate", False),
+        ("latent_moe_use_norm", False),
+        ("num_key_value_heads", 1),
+        ("v_head_dim", 32),
+        ("num_expert_group", 4),
+        ("num_experts_per_token", 9),  # more than num_experts
+        ("hidden_size", 0),
+        ("vocab_size", -1),
+        ("rms_norm_eps", 0.0),
+        ("pad_token_id", 512),  # == vocab_size
+        ("first_k_dense_replace", 8),  # > num_hidden_layers
+        ("moe_intermediate_size", 100),  # not a multiple of the mxfp4 group
+    ],
+)
+def test_unsupported_text_value(tmp_path, key, value):
+    d = k3_dict()
+    d["text_config"][key] = value
+    expect_error(tmp_path, d, f"text_config.{key}")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("gate_lower_bound", 0.5), ("use_full_rank_gate", False), ("short_conv_kernel_size", 1), ("num_heads", 0)],
+)
+def test_unsupported_linear_attn_value(tmp_path, key, value):
+    d = k3_dict()
+    d["text_config"]["linear_attn_config"][key] = value
+    expect_error(tmp_path, d, f"text_config.linear_attn_config.{key}")
+
+
+def test_unsupported_value_in_flat_layout(tmp_path):
+    d = config_to_hf_dict(PRESETS["tiny-linear"])
+    d["hidden_act"] = "gelu"
+    msg = expect_error(tmp_path, d, "hidden_act")
+    assert "text_config." not in msg
+
+
+def test_invalid_json(tmp_path):
+    d = write_config(tmp_path, '{"model_type": "kimi_k3", "text_config": {')
+    with pytest.raises(ConfigError, match="not valid JSON") as info:
+        load_config(d)
+    assert str(d / "config.json") in str(info.value)
+
+
+def test_config_that_is_not_utf8(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
+    with pytest.raises(ConfigError) as info:
+        load_config(d)
+    assert str(d / "config.json") in str(info.value)
+
+
+def test_config_json_not_an_object(tmp_path):
+    d = write_config(tmp_path, [1, 2, 3])
+    with pytest.raises(ConfigError, match="object") as info:
+        load_config(d)
+    assert str(d / "config.json") in str(info.value)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json") as info:
+        load_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(tmp_path / "does-not-exist")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "KimiK3", None, 3])
+def test_unknown_model_type(tmp_path, model_type):
+    d = k3_dict()
+    if model_type is None:
+        del d["model_type"]
+    else:
+        d["model_type"] = model_type
+    msg = expect_error(tmp_path, d, "model_type")
+    assert "kimi_k3" in msg and "kimi_linear" in msg
+
+
+def test_kimi_k3_without_text_config(tmp_path):
+    d = k3_dict()
+    flat = d.pop("text_config")
+    d.update({k: v for k, v in flat.items() if k != "model_type"})  # fields at the top level do not count
+    expect_error(tmp_path, d, "text_config")
+
+
+def test_text_config_not_an_object(tmp_path):
+    d = k3_dict()
+    d["text_config"] = "kimi_linear"
+    expect_error(tmp_path, d, "text_config")
+
+
+def test_config_objects_compare_by_value():
+    """Round-trip equality above relies on frozen dataclass equality, tuples included."""
+    tiny = PRESETS["tiny"]
+    assert isinstance(tiny, K3Config)
+    assert K3Config.from_dict(tiny.to_dict()) == tiny
+    assert tiny.replace(vocab_size=1024) != tiny
