@@ -40,10 +40,11 @@ app = typer.Typer(
     name="k3compile",
     help=(
         "k3compile: a compiler for serving the Kimi K3 model.\n\n"
-        "Start with a small random model:\n\n"
-        "  k3compile presets\n\n"
-        "  k3compile init-model ./tiny-model --preset tiny\n\n"
-        "  k3compile generate ./tiny-model --prompt \"1 2 3 4\""
+        "Try it on a small model with random weights:\n"
+        "  k3compile presets                                  [dim]# the built-in configurations[/]\n"
+        "  k3compile init-model ./tiny-model --preset tiny    [dim]# write a model directory[/]\n"
+        "  k3compile generate ./tiny-model --prompt \"1 2 3\"   [dim]# generate 16 tokens[/]\n\n"
+        "Run 'k3compile COMMAND --help' for the options of a command."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -253,9 +254,8 @@ def init_model(
 ) -> None:
     """Write an HF-style model directory with seeded random weights.
 
-    Writes config.json, model-0000N-of-0000M.safetensors shards and
-    model.safetensors.index.json, with the tensor names and shapes of the real checkpoint.
-    Give exactly one of --preset or --config.
+    Writes config.json, model.safetensors.index.json and model-0000N-of-0000M.safetensors shards
+    holding the tensor names and shapes of the real checkpoint. Give exactly one of --preset or --config.
 
     Example: k3compile init-model ./tiny-model --preset tiny --experts mxfp4
     """
@@ -305,7 +305,7 @@ def init_model(
 def presets() -> None:
     """List the built-in model configurations (for init-model --preset).
 
-    Parameter counts are of the full model, computed without allocating memory.
+    Parameter counts are of the full model, computed on the meta device (no memory is allocated).
 
     Example: k3compile presets
     """
@@ -378,9 +378,9 @@ def generate(
 ) -> None:
     """Generate tokens greedily with the reference model on the CPU.
 
-    Prompts are token ids (no tokenizer): "1 2 3" is three tokens. All prompts are
-    prefilled in one packed step, then decoded together one token per step. Prints the
-    new token ids of each prompt and the timing (the first step includes one-time warm-up).
+    Prompts are token ids (there is no tokenizer): "1 2 3" is three tokens. All prompts are prefilled
+    in one packed step, then decoded together, one token per step. Prints the new token ids of each
+    prompt and the timing (the first step includes one-time warm-up).
 
     Example: k3compile generate ./tiny-model --prompt "1 2 3" --prompt "7 8" --max-new-tokens 4
     """
