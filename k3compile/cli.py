@@ -14,7 +14,6 @@ status 2; no traceback.
 from __future__ import annotations
 
 import enum
-import json
 import re
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import k3compile
@@ -41,9 +41,9 @@ app = typer.Typer(
     help=(
         "k3compile: a compiler for serving the Kimi K3 model.\n\n"
         "Try it on a small model with random weights:\n"
-        "  k3compile presets                                  [dim]# the built-in configurations[/]\n"
-        "  k3compile init-model ./tiny-model --preset tiny    [dim]# write a model directory[/]\n"
-        "  k3compile generate ./tiny-model --prompt \"1 2 3\"   [dim]# generate 16 tokens[/]\n\n"
+        "  k3compile presets                                 [dim]# list configurations[/]\n"
+        "  k3compile init-model ./tiny-model --preset tiny   [dim]# write a model dir[/]\n"
+        "  k3compile generate ./tiny-model --prompt \"1 2 3\"  [dim]# generate tokens[/]\n\n"
         "Run 'k3compile COMMAND --help' for the options of a command."
     ),
     no_args_is_help=True,
@@ -59,7 +59,7 @@ class UserError(Exception):
 
 
 def _fail(message: str) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(USAGE_ERROR)
 
 
@@ -228,7 +228,8 @@ def init_model(
         Optional[Path],
         typer.Option(
             "--config", "-c",
-            help="A config.json to build the model from (model_type kimi_k3 or kimi_linear). "
+            help="A config.json (model_type kimi_k3 or kimi_linear), or a model directory holding one, "
+            "to build the model from. "
             "Example: --config ./my-model/config.json",
             show_default=False,
         ),
@@ -254,8 +255,7 @@ def init_model(
 ) -> None:
     """Write an HF-style model directory with seeded random weights.
 
-    Writes config.json, model.safetensors.index.json and model-0000N-of-0000M.safetensors shards
-    holding the tensor names and shapes of the real checkpoint. Give exactly one of --preset or --config.
+    Writes config.json, model.safetensors.index.json and model-0000N-of-0000M.safetensors shards holding the tensor names and shapes of the real checkpoint. Give exactly one of --preset or --config.
 
     Example: k3compile init-model ./tiny-model --preset tiny --experts mxfp4
     """
@@ -283,7 +283,7 @@ def init_model(
     params = count_parameters(cfg)
 
     console.print(
-        f"[bold green]Wrote[/] {out_dir}  ({source}, {layout} layout, experts {experts.value}, seed {seed})",
+        f"[bold green]Wrote[/] {escape(str(out_dir))}  ({escape(source)}, {layout} layout, experts {experts.value}, seed {seed})",
         soft_wrap=True,
     )
     summary = Table(show_header=False, box=None, pad_edge=False)
@@ -378,9 +378,7 @@ def generate(
 ) -> None:
     """Generate tokens greedily with the reference model on the CPU.
 
-    Prompts are token ids (there is no tokenizer): "1 2 3" is three tokens. All prompts are prefilled
-    in one packed step, then decoded together, one token per step. Prints the new token ids of each
-    prompt and the timing (the first step includes one-time warm-up).
+    Prompts are token ids (there is no tokenizer): "1 2 3" is three tokens. All prompts are prefilled in one packed step, then decoded together, one token per step. Prints the new token ids of each prompt and the timing (the first step includes one-time warm-up).
 
     Example: k3compile generate ./tiny-model --prompt "1 2 3" --prompt "7 8" --max-new-tokens 4
     """
@@ -401,6 +399,8 @@ def generate(
         num_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
 
         start = time.perf_counter()
+        import torch._dynamo  # noqa: F401  (torch's custom ops import it on first call: count it as load time)
+
         model = load_reference(model_dir, dtype=getattr(torch, dtype.value))
         engine = ReferenceEngine(model, CacheShape(num_slots=len(prompts), num_blocks=num_blocks, block_size=block_size))
         load_s = time.perf_counter() - start
@@ -424,7 +424,7 @@ def generate(
         _fail(str(e))
 
     console.print(
-        f"[bold]{model_dir}[/]: {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, {dtype.value}, "
+        f"[bold]{escape(str(model_dir))}[/]: {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, {dtype.value}, "
         f"{len(prompts)} prompt(s), {max_new_tokens} new token(s) each",
         soft_wrap=True,
     )

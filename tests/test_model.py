@@ -118,3 +118,14 @@ def test_real_k3_config_builds_on_meta():
     specs = shard_specs(rank)
     assert str(specs["model.layers.1.mlp.experts.w2"].placement) == "S(2)"
     assert str(specs["model.layers.1.mlp.routed_expert_up_proj.weight"].placement) == "R"
+
+
+def test_activations_stay_well_conditioned(model_dirs):
+    """The generator's scales keep the residual stream O(1) through every layer."""
+    model = load_reference(model_dirs("tiny"))
+    rms: list[float] = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, i, o: rms.append(o[0].pow(2).mean().sqrt().item()))
+    engine(model).prefill(PROMPTS)
+    assert len(rms) == len(model.model.layers)
+    assert all(0.05 < r < 20 for r in rms), rms

@@ -99,6 +99,10 @@ def random_tensor(cfg: K3Config, name: str, spec: ShardSpec, seed: int) -> torch
 def generate_model_dir(cfg: K3Config, out_dir: str | Path, options: GenerateOptions = GenerateOptions()) -> Path:
     """Write ``out_dir`` (which must not exist) atomically: a temp dir renamed at the end."""
     out = Path(out_dir)
+    if options.experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"unknown expert format {options.experts!r}; choose 'bf16' or 'mxfp4'")
+    if options.shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {options.shard_bytes}")
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +132,7 @@ def _write(cfg: K3Config, out: Path, options: GenerateOptions) -> None:
         index = len(shard_names)
         path = out / f"model-{index:05d}.safetensors.tmp"
         save_file(pending, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates files readable by the owner only
         shard_names.append(list(pending))
         pending, pending_bytes = {}, 0
 

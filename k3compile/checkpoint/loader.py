@@ -54,9 +54,12 @@ class CheckpointReader:
         if not index_path.is_file():
             raise CheckpointError(f"{index_path}: missing safetensors index")
         try:
-            index = json.loads(index_path.read_text())
-            self.weight_map: dict[str, str] = dict(index["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            index = json.loads(index_path.read_bytes())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("'weight_map' must map tensor names to shard file names")
+            self.weight_map: dict[str, str] = dict(weight_map)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from e
         self.index_path = index_path
         self._stack = ExitStack()
@@ -133,16 +136,18 @@ def read_local_tensor(
     packed_name, scale_name = f"{base}.weight_packed", f"{base}.weight_scale"
     report.tensors += 1
     if spec.quantized and not reader.has(name) and reader.has(packed_name):
-        rows, cols = spec.shape
         p_shape = tuple(reader.slice(packed_name).get_shape())
         s_shape = tuple(reader.slice(scale_name).get_shape())
         try:
             check_mxfp4_shapes(p_shape, s_shape, spec.shape)
         except ValueError as e:
-            raise CheckpointError(f"tensor '{reader.prefix}{base}' in {reader.file_of(packed_name)}: {e}") from e
+            files = sorted({str(reader.file_of(packed_name)), str(reader.file_of(scale_name))})
+            raise CheckpointError(f"tensor '{reader.prefix}{base}' in {' and '.join(files)}: {e}") from e
         for n in (packed_name, scale_name):
             if reader.slice(n).get_dtype() != "U8":
-                raise CheckpointError(f"tensor '{reader.prefix}{n}': dtype {reader.slice(n).get_dtype()}, expected U8")
+                raise CheckpointError(
+                    f"tensor '{reader.prefix}{n}' in {reader.file_of(n)}: dtype {reader.slice(n).get_dtype()}, expected U8"
+                )
         if meta:
             return None
         if spec.dim == 1:  # split along the input dim: packed bytes and scale groups

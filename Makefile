@@ -1,0 +1,23 @@
+# The two entry points of the README. Both set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first, so that nothing below pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# (1) The main job on the embedded default: generate a tiny K3 locally and run it.
+demo: $(VENV)/.installed
+	rm -rf out/tiny-k3
+	$(BIN)/k3compile init-model --preset tiny --experts mxfp4 out/tiny-k3
+	$(BIN)/k3compile generate out/tiny-k3 --prompt "1 2 3 4 5 6 7 8" --prompt "42 7" --max-new-tokens 16
+
+# (2) The test suite (what CI runs).
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
