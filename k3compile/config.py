@@ -5,7 +5,9 @@ Two layouts are read:
 * ``model_type: "kimi_k3"``: the language model is nested under ``text_config``; other
   top-level keys (the vision tower, processor settings) are ignored. Checkpoint tensors
   carry the prefix ``language_model.``.
-* ``model_type: "kimi_linear"``: the flat predecessor layout, no tensor prefix.
+* ``model_type: "kimi_linear"``: the flat layout of K3's predecessor, no tensor prefix.
+  It must still describe a K3-style model (SiTU, latent MoE, AttnRes); a plain Kimi
+  Linear config lacks those fields and is rejected naming the first one missing.
 
 Every field the model uses is validated; a missing or bad field raises
 :class:`ConfigError` naming the field and the file. Values the reference model does not
@@ -89,6 +91,7 @@ class K3Config:
     eos_token_id: int
     pad_token_id: int
     checkpoint_prefix: str = ""  # "language_model." for kimi_k3 checkpoints
+    moe_layer_freq: int = 1  # optional in config.json; K3 has 1 (every layer past the dense ones)
 
     # ----- derived quantities -------------------------------------------------
     @property
@@ -97,7 +100,7 @@ class K3Config:
         return tuple("mla" if (i + 1) in full else "kda" for i in range(self.num_hidden_layers))
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -227,7 +230,8 @@ def parse_text_config(d: dict[str, Any], path: str, where: str = "", checkpoint_
         full_attn_layers=_get_layer_list(lin, "full_attn_layers", lwhere, path),
         kda_layers=_get_layer_list(lin, "kda_layers", lwhere, path),
     )
-    cfg = K3Config(linear_attn=kda, checkpoint_prefix=checkpoint_prefix, **values)
+    freq = _get(d, "moe_layer_freq", int, where, path) if "moe_layer_freq" in d else 1
+    cfg = K3Config(linear_attn=kda, checkpoint_prefix=checkpoint_prefix, moe_layer_freq=freq, **values)
     validate(cfg, path, where)
     return cfg
 
@@ -260,6 +264,7 @@ def config_to_hf_dict(cfg: K3Config) -> dict[str, Any]:
     lin["full_attn_layers"] = list(cfg.linear_attn.full_attn_layers)
     lin["kda_layers"] = list(cfg.linear_attn.kda_layers)
     text["linear_attn_config"] = lin
+    text["moe_layer_freq"] = cfg.moe_layer_freq
     text["model_type"] = "kimi_linear"
     text["architectures"] = ["KimiLinearForCausalLM"]
     if cfg.checkpoint_prefix == "language_model.":
@@ -326,6 +331,8 @@ def validate(cfg: K3Config, path: str, where: str = "") -> None:
         fail("latent_moe_use_norm", "must be true (routed_expert_norm is part of K3)")
     if cfg.num_experts_per_token > cfg.num_experts:
         fail("num_experts_per_token", f"must be <= num_experts ({cfg.num_experts})")
+    if cfg.moe_layer_freq < 1:
+        fail("moe_layer_freq", f"must be >= 1, got {cfg.moe_layer_freq}")
     if cfg.first_k_dense_replace < 0 or cfg.first_k_dense_replace > cfg.num_hidden_layers:
         fail("first_k_dense_replace", f"must be in [0, num_hidden_layers], got {cfg.first_k_dense_replace}")
     for key in ("routed_expert_hidden_size", "moe_intermediate_size"):

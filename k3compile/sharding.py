@@ -126,7 +126,7 @@ class ShardSpec:
         return (len(self.names), *shape) if self.stacked else tuple(shape)
 
     def param_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """F32 checkpoint tensors (norms, gates, conv) stay fp32; the rest take the model dtype."""
+        """F32 checkpoint tensors (o_norm, A_log, dt_bias, conv, router bias) stay fp32."""
         return torch.float32 if self.dtype == "f32" else model_dtype
 
     @property

@@ -473,3 +473,14 @@ def test_config_objects_compare_by_value():
     assert isinstance(tiny, K3Config)
     assert K3Config.from_dict(tiny.to_dict()) == tiny
     assert tiny.replace(vocab_size=1024) != tiny
+
+
+def test_moe_layer_freq_is_optional_and_selects_moe_layers(tmp_path):
+    d = k3_dict("tiny")
+    del text(d)["moe_layer_freq"]
+    assert load_config(write_config(tmp_path, d, "absent")).moe_layer_freq == 1
+    text(d)["moe_layer_freq"] = 2
+    cfg = load_config(write_config(tmp_path, d, "every-other"))
+    assert [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)] == [False, False, True, False, True, False, True]
+    text(d)["moe_layer_freq"] = 0
+    expect_error(tmp_path, d, "text_config.moe_layer_freq", "zero")

@@ -26,8 +26,9 @@ from k3compile.sharding import ParallelPlan, register_sharded_parameter
 
 
 def a_log_size(cfg: K3Config) -> int:
-    """K3 stores A_log with head_dim (128) entries of which the first num_heads (96) are
-    used, one per head; a config with more heads than head_dim stores one per head."""
+    """K3 stores A_log with 128 entries of which the first num_heads (96) are used, one per
+    head. No source states the rule behind 128; we read it as head_dim (equal in K3) and
+    store one per head when a config has more heads than head_dim."""
     return max(cfg.linear_attn.num_heads, cfg.linear_attn.head_dim)
 
 

@@ -3,7 +3,8 @@
 Candidates v_0..v_n = [*blocks, partial] (each [T, D]). Each is scored by
 logit_i = < v_i * rsqrt(mean(v_i^2) + eps) * norm_w, proj_w >, the scores are
 softmax-ed over candidates per token, and the output mixes the *raw* candidates:
-out = sum_i softmax(logit)_i * v_i. The normalisation only scores. All in fp32.
+out = sum_i softmax(logit)_i * v_i. The normalisation only scores. Computed in fp32,
+returned in the activation dtype (as the official model does).
 """
 
 from __future__ import annotations
