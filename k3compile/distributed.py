@@ -42,7 +42,8 @@ class TPGroup:
             return x
         # funcol gathers along dim 0 only: stack ranks first, then lay them out along ``dim``.
         stacked = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, self._group()))
-        return torch.cat(torch.chunk(stacked, self.size, dim=0), dim=dim)
+        d = dim % x.dim()
+        return stacked.unflatten(0, (self.size, -1)).movedim(0, d).flatten(d, d + 1)
 
 
 def world_tp_group() -> TPGroup:
