@@ -34,14 +34,14 @@ class TPGroup:
         """Sum of ``x`` over the group (Partial -> Replicate)."""
         if self.size == 1:
             return x
-        return funcol.wait_tensor(funcol.all_reduce(x, "sum", self._group()))
+        return funcol.all_reduce(x, "sum", self._group())
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenation of every rank's ``x`` along ``dim`` (Shard(dim) -> Replicate)."""
         if self.size == 1:
             return x
         # funcol gathers along dim 0 only: stack ranks first, then lay them out along ``dim``.
-        stacked = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, self._group()))
+        stacked = funcol.all_gather_single(x.contiguous(), 0, self._group())
         d = dim % x.dim()
         return stacked.unflatten(0, (self.size, -1)).movedim(0, d).flatten(d, d + 1)
 

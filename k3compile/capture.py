@@ -1,0 +1,212 @@
+"""Capture the rank-local model to one ``torch.export`` program per phase.
+
+    decode   B sequences x 1 token             (B dynamic)
+    prefill  T packed tokens of N sequences    (T, N dynamic)
+
+Both take the same flat calling convention (:class:`StepModule`): the step metadata of
+:class:`k3compile.batch.Batch` as tensors, then every cache tensor in layer order
+(KDA: conv_q, conv_k, conv_v, state; MLA: kv), which the graph updates in place. The
+number of cache blocks and state slots is dynamic too, so one program serves any
+cache size. Capture runs on ``meta`` tensors: no weights are needed, and the full
+2.8T configuration captures in a few hundred MB.
+
+For TP > 1 the functional collectives need a process group at trace time; when none
+exists, capture creates torch's in-process ``fake`` backend of the plan's world size
+(it records collectives, it does not run them). The graph names the group ``"0"``: the
+default group that the runtime's ``init_process_group`` creates.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.export import Dim, ExportedProgram
+
+from k3compile.batch import Batch, KDALayerCache, LayerCache, MLALayerCache
+from k3compile.config import K3Config
+from k3compile.distributed import TPGroup
+from k3compile.model import K3ForCausalLM
+from k3compile.sharding import ParallelPlan, ShardSpec, shard_specs
+
+Phase = Literal["decode", "prefill"]
+PHASES: tuple[Phase, ...] = ("decode", "prefill")
+STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "state_slots", "block_table", "slot_mapping", "logit_indices")
+
+
+def flatten_caches(caches: Sequence[LayerCache]) -> list[Tensor]:
+    """Cache tensors in the programs' input order."""
+    out: list[Tensor] = []
+    for c in caches:
+        out.extend((c.conv_q, c.conv_k, c.conv_v, c.state) if isinstance(c, KDALayerCache) else (c.kv,))
+    return out
+
+
+def unflatten_caches(cfg: K3Config, flat: Sequence[Tensor]) -> list[LayerCache]:
+    caches: list[LayerCache] = []
+    i = 0
+    for kind in cfg.layer_kinds:
+        if kind == "kda":
+            caches.append(KDALayerCache(*flat[i : i + 4]))
+            i += 4
+        else:
+            caches.append(MLALayerCache(flat[i]))
+            i += 1
+    if i != len(flat):
+        raise ValueError(f"expected {i} cache tensors for {cfg.num_hidden_layers} layers, got {len(flat)}")
+    return caches
+
+
+class StepModule(nn.Module):
+    """One forward step of one phase with a flat, export-friendly signature."""
+
+    def __init__(self, model: K3ForCausalLM, phase: Phase):
+        super().__init__()
+        self.k3 = model
+        self.phase = phase
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor,
+        seq_lens: Tensor,
+        state_slots: Tensor,
+        block_table: Tensor,
+        slot_mapping: Tensor,
+        logit_indices: Tensor,
+        caches: list[Tensor],
+    ) -> Tensor:
+        batch = Batch(
+            cu_seqlens, seq_lens, state_slots, block_table, slot_mapping, logit_indices, decode=self.phase == "decode"
+        )
+        return self.k3(input_ids, batch, unflatten_caches(self.k3.config, caches))
+
+
+def example_inputs(
+    cfg: K3Config,
+    plan: ParallelPlan,
+    phase: Phase,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    device: str | torch.device = "meta",
+) -> tuple[tuple, tuple]:
+    """(args, dynamic_shapes) for exporting ``phase``. Example sizes are distinct and >= 2
+    so that no dynamic dimension specialises or aliases another. The MLA block size is
+    static: kernels tile by it, so it is fixed per artifact."""
+    from k3compile.batch import CacheShape, allocate_caches
+
+    tokens, seqs, blocks_per_seq, n_out = (5, 5, 7, 5) if phase == "decode" else (19, 5, 7, 6)
+    shape = CacheShape(num_slots=11, num_blocks=13, block_size=block_size)
+    caches = flatten_caches(allocate_caches(cfg, plan, shape, dtype, device))
+    i64, i32 = torch.int64, torch.int32
+    args = (
+        torch.zeros(tokens, dtype=i64, device=device),
+        torch.zeros(seqs + 1, dtype=i32, device=device),
+        torch.zeros(seqs, dtype=i32, device=device),
+        torch.zeros(seqs, dtype=i64, device=device),
+        torch.zeros(seqs, blocks_per_seq, dtype=i32, device=device),
+        torch.zeros(tokens, dtype=i64, device=device),
+        torch.zeros(n_out, dtype=i64, device=device),
+        caches,
+    )
+    seq = Dim("batch" if phase == "decode" else "seqs", min=1, max=1 << 16)
+    tok = seq if phase == "decode" else Dim("tokens", min=1, max=1 << 24)
+    blocks = Dim("max_blocks", min=1, max=1 << 24)
+    out = Dim("logits", min=1, max=1 << 24)
+    slots, pool = Dim("num_slots", min=1, max=1 << 20), Dim("num_blocks", min=1, max=1 << 30)
+    cache_dims = [{0: slots} if t.shape[0] == shape.num_slots else {0: pool} for t in caches]
+    dynamic = ({0: tok}, {0: seq + 1}, {0: seq}, {0: seq}, {0: seq, 1: blocks}, {0: tok}, {0: out}, cache_dims)
+    return args, dynamic
+
+
+@contextmanager
+def tracing_process_group(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` to trace collectives against: the live
+    one if it matches, else torch's in-process ``fake`` backend for the duration."""
+    if world_size == 1 or dist.is_initialized():
+        if dist.is_initialized() and dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"capture for tp={world_size} inside a process group of size {dist.get_world_size()}"
+            )
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def drop_device_asserts(program: ExportedProgram) -> None:
+    """Remove ``aten._assert_tensor_metadata`` nodes: export inserts them for dtype
+    conversions and they pin ``device=meta`` (the capture device), which the real device
+    would fail. Dtypes are checked by the graph's own metadata anyway."""
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+    program.graph_module.recompile()
+
+
+@dataclass
+class CaptureStats:
+    seconds: dict[str, float] = field(default_factory=dict)
+    nodes: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+
+
+@dataclass
+class CapturedModel:
+    """The per-phase programs of one rank-local model (identical on every rank: SPMD)."""
+
+    config: K3Config
+    plan: ParallelPlan
+    dtype: torch.dtype
+    block_size: int
+    programs: dict[str, ExportedProgram]
+    specs: dict[str, ShardSpec]  # by the programs' parameter names
+    stats: CaptureStats
+
+
+def build_step_model(cfg: K3Config, plan: ParallelPlan, dtype: torch.dtype) -> K3ForCausalLM:
+    """The rank-local model on ``meta`` with a TP group of the plan's size."""
+    group = dist.group.WORLD if plan.tp > 1 else None
+    with torch.device("meta"):
+        return K3ForCausalLM(cfg, plan, TPGroup(plan.tp, group), dtype)
+
+
+def capture(
+    cfg: K3Config,
+    plan: ParallelPlan,
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int = 16,
+    phases: Sequence[Phase] = PHASES,
+    on_phase: Callable[[str], None] | None = None,
+) -> CapturedModel:
+    """Export one program per phase from the model built on ``meta``."""
+    stats = CaptureStats()
+    programs: dict[str, ExportedProgram] = {}
+    with tracing_process_group(plan.tp):
+        model = build_step_model(cfg, plan, dtype)
+        for phase in phases:
+            if on_phase:
+                on_phase(phase)
+            start = time.perf_counter()
+            step = StepModule(model, phase)
+            args, dynamic = example_inputs(cfg, plan, phase, dtype, block_size)
+            programs[phase] = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+            drop_device_asserts(programs[phase])
+            stats.seconds[phase] = time.perf_counter() - start
+            stats.nodes[phase] = len(programs[phase].graph.nodes)
+        specs = shard_specs(StepModule(model, "decode"))
+    stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return CapturedModel(cfg, plan, dtype, block_size, programs, specs, stats)
