@@ -25,7 +25,7 @@ class Batch:
     seq_lens: Tensor  # [N] int32: context length of each sequence after this step
     state_slots: Tensor  # [N] int64: KDA conv/recurrent state slot of each sequence
     block_table: Tensor  # [N, M] int32: MLA cache blocks of each sequence
-    slot_mapping: Tensor  # [T] int64: flat MLA cache slot of each new token (-1: padding)
+    slot_mapping: Tensor  # [T] int64: flat MLA cache slot of each new token
     logit_indices: Tensor  # [n_out] int64: the tokens whose logits the step returns
     decode: bool = False  # one new token per sequence: the decode graph
 

@@ -118,6 +118,14 @@ class ShardSpec:
             )
         return plan.rank * block, (plan.rank + 1) * block
 
+    def local_index(self, plan: ParallelPlan) -> tuple[slice, ...]:
+        """Index of this rank's part in one full (logical) checkpoint tensor."""
+        index = [slice(None)] * len(self.shape)
+        rng = self.split_range(plan)
+        if rng is not None:
+            index[self.dim] = slice(*rng)
+        return tuple(index)
+
     def local_shape(self, plan: ParallelPlan) -> tuple[int, ...]:
         shape = list(self.shape)
         rng = self.split_range(plan)

@@ -92,7 +92,7 @@ def test_bad_requests_leave_other_sequences_untouched(model_dirs):
         eng.prefill([[1], [2]])
     after = [c.state if hasattr(c, "state") else c.kv for c in eng.caches]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert eng.sequences[sid].length == 3 and len(eng._free_slots) == 1
+    assert eng.sequences[sid].length == 3 and len(eng.table.free_slots) == 1
 
 
 def test_real_k3_config_builds_on_meta():

@@ -163,7 +163,7 @@ def read_local_tensor(
     _check_header(reader, name, spec.shape, _SAFETENSORS_DTYPES[spec.dtype])
     if meta:
         return None
-    return _read(reader, name, _dim_index(len(spec.shape), spec.dim, rng), report).to(dtype)
+    return _read(reader, name, spec.local_index(plan), report).to(dtype)
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, plan: ParallelPlan, prefix: str) -> LoadReport:

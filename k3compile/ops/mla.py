@@ -6,7 +6,9 @@ W = kv_lora_rank + qk_rope_head_dim (576 in K3): per token the RMS-normalised la
 rotary embedding: NoPE). Sequence i's position p lives in block
 ``block_table[i, p // block_size]`` at offset ``p % block_size``.
 
-``k3::mla_cache_write``  stores new tokens' (latent, k_pe) at their flat slots in place.
+``k3::mla_cache_write``  stores new tokens' (latent, k_pe) at their flat slots in place
+                         (padding rows of a batch point at a scratch block the runtime
+                         reserves, so the write never needs a data-dependent mask).
 ``k3::mla_prefill``      the naive form: k_nope = W_UK latent, v = W_UV latent per head
                          (kv_b_proj rows are per head [k_nope | v]), causal softmax of
                          scale * (q_nope.k_nope + q_pe.k_pe) over the whole context.
@@ -33,10 +35,9 @@ def gather_context(kv_cache: Tensor, block_table_row: Tensor, length: int) -> Te
 
 @torch.library.custom_op("k3::mla_cache_write", mutates_args=("kv_cache",))
 def mla_cache_write(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor) -> None:
-    """kv [T, W] goes to flat slots ``slot_mapping`` [T]; negative slots are padding."""
+    """kv [T, W] goes to flat slots ``slot_mapping`` [T] (block * block_size + offset)."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    valid = slot_mapping >= 0
-    flat.index_copy_(0, slot_mapping[valid].long(), kv[valid].to(flat.dtype))
+    flat.index_copy_(0, slot_mapping.long(), kv.to(flat.dtype))
 
 
 @mla_cache_write.register_fake

@@ -1,0 +1,132 @@
+"""Sequence bookkeeping shared by the reference engine and the runtime.
+
+Each live sequence holds a KDA state slot (conv + recurrent state, zeroed by the owner of
+the caches when the sequence starts) and a growing list of MLA cache blocks. A step packs
+the new tokens of several sequences into a :class:`~k3compile.batch.Batch`. Every
+request is checked before anything changes: a bad request raises :class:`RequestError`
+and leaves all sequences and caches as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3compile.batch import Batch, CacheShape
+
+
+class RequestError(ValueError):
+    """A request that cannot be served (no state was changed)."""
+
+
+@dataclass
+class Sequence:
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class SequenceTable:
+    """Slots and cache blocks of the live sequences.
+
+    ``reserved_slots``/``reserved_blocks`` are kept out of the free lists: the runtime
+    points the padding rows of CUDA-graph batches at them."""
+
+    def __init__(self, vocab_size: int, shape: CacheShape, reserved_slots: int = 0, reserved_blocks: int = 0):
+        if reserved_slots >= shape.num_slots or reserved_blocks >= shape.num_blocks:
+            raise ValueError(f"cache shape {shape} leaves nothing after the reserved slots/blocks")
+        self.vocab_size = vocab_size
+        self.shape = shape
+        self.sequences: dict[int, Sequence] = {}
+        self.free_slots = list(range(reserved_slots, shape.num_slots))
+        self.free_blocks = list(range(reserved_blocks, shape.num_blocks))
+        self._next_id = 0
+
+    def new_sequence(self) -> int:
+        if not self.free_slots:
+            raise RequestError(f"all {len(self.free_slots) + len(self.sequences)} sequence slots are in use")
+        seq_id = self._next_id
+        self._next_id += 1
+        self.sequences[seq_id] = Sequence(self.free_slots.pop(0))
+        return seq_id
+
+    def release(self, seq_id: int) -> None:
+        seq = self.sequences.pop(seq_id)
+        self.free_slots.append(seq.slot)
+        self.free_blocks.extend(seq.blocks)
+
+    def check_tokens(self, tokens: list[list[int]]) -> None:
+        for i, toks in enumerate(tokens):
+            if not toks:
+                raise RequestError(f"request {i}: empty prompt")
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"request {i}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+
+    def check_step(self, seq_ids: list[int], tokens: list[list[int]]) -> None:
+        if len(seq_ids) != len(tokens) or not seq_ids:
+            raise RequestError("need one token list per sequence and at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise RequestError("a sequence appears twice in one step")
+        unknown = [s for s in seq_ids if s not in self.sequences]
+        if unknown:
+            raise RequestError(f"unknown sequence {unknown[0]}")
+        self.check_tokens(tokens)
+
+    def check_new(self, prompts: list[list[int]]) -> None:
+        self.check_tokens(prompts)
+        if len(prompts) > len(self.free_slots):
+            raise RequestError(f"{len(prompts)} new sequences but only {len(self.free_slots)} free slots")
+
+    def reserve(self, seq_ids: list[int], counts: list[int]) -> None:
+        """Give each sequence the blocks its new tokens need, or fail changing nothing."""
+        bs = self.shape.block_size
+        need = [
+            max(0, -(-(self.sequences[s].length + n) // bs) - len(self.sequences[s].blocks))
+            for s, n in zip(seq_ids, counts)
+        ]
+        if sum(need) > len(self.free_blocks):
+            raise RequestError(
+                f"context beyond capacity: {sum(need)} more cache blocks needed, {len(self.free_blocks)} free"
+            )
+        for s, n in zip(seq_ids, need):
+            self.sequences[s].blocks.extend(self.free_blocks[:n])
+            del self.free_blocks[:n]
+
+    def advance(self, seq_ids: list[int], counts: list[int]) -> None:
+        for s, n in zip(seq_ids, counts):
+            self.sequences[s].length += n
+
+    def make_batch(
+        self,
+        seq_ids: list[int],
+        counts: list[int],
+        decode: bool,
+        all_logits: bool = False,
+        device: torch.device | str = "cpu",
+        table_width: int | None = None,
+    ) -> Batch:
+        """The step metadata for ``counts[i]`` new tokens of each sequence (blocks reserved)."""
+        bs = self.shape.block_size
+        seqs = [self.sequences[s] for s in seq_ids]
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        width = table_width or max(len(s.blocks) for s in seqs)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        slot_mapping = []
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            for pos in range(seq.length, seq.length + n):
+                slot_mapping.append(seq.blocks[pos // bs] * bs + pos % bs)
+        logit_indices = list(range(cu[-1])) if all_logits else [c - 1 for c in cu[1:]]
+        return Batch(
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([s.length + n for s, n in zip(seqs, counts)], dtype=torch.int32, device=device),
+            state_slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=device),
+            decode=decode,
+        )
