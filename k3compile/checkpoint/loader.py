@@ -166,6 +166,25 @@ def read_local_tensor(
     return _read(reader, name, spec.local_index(plan), report).to(dtype)
 
 
+def fill_parameter(
+    reader: CheckpointReader, fqn: str, spec: ShardSpec, plan: ParallelPlan, param: torch.Tensor, report: LoadReport
+) -> None:
+    """Copy this rank's slice of every checkpoint tensor behind ``spec`` into ``param``
+    (on ``meta`` only the headers are checked)."""
+    meta = param.device.type == "meta"
+    for i, name in enumerate(spec.names):
+        value = read_local_tensor(reader, name, spec, plan, param.dtype, meta, report)
+        if value is None:
+            continue
+        target = param.data[i] if spec.stacked else param.data
+        if value.shape != target.shape:
+            raise CheckpointError(
+                f"tensor '{reader.prefix}{name}': rank {plan.rank} slice has shape {list(value.shape)}, "
+                f"parameter {fqn} expects {list(target.shape)}"
+            )
+        target.copy_(value)
+
+
 def load_weights(model: nn.Module, model_dir: str | Path, plan: ParallelPlan, prefix: str) -> LoadReport:
     """Fill every parameter of ``model`` with this rank's slice from ``model_dir``.
 
@@ -174,17 +193,5 @@ def load_weights(model: nn.Module, model_dir: str | Path, plan: ParallelPlan, pr
     params = dict(model.named_parameters())
     with CheckpointReader(model_dir, prefix) as reader:
         for fqn, spec in shard_specs(model).items():
-            param = params[fqn]
-            meta = param.device.type == "meta"
-            for i, name in enumerate(spec.names):
-                value = read_local_tensor(reader, name, spec, plan, param.dtype, meta, report)
-                if value is None:
-                    continue
-                target = param.data[i] if spec.stacked else param.data
-                if value.shape != target.shape:
-                    raise CheckpointError(
-                        f"tensor '{prefix}{name}': rank {plan.rank} slice has shape {list(value.shape)}, "
-                        f"parameter {fqn} expects {list(target.shape)}"
-                    )
-                target.copy_(value)
+            fill_parameter(reader, fqn, spec, plan, params[fqn], report)
     return report

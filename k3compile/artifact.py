@@ -1,0 +1,704 @@
+"""The compiled artifact: a directory the runtime loads on every rank.
+
+Layout of ``OUT/``::
+
+    manifest.json            what this is and how it was made (below), and the sha256 and
+                             size of every other file
+    decode.pt2               one torch.export program per phase (``torch.export.save``);
+    prefill.pt2              parameters were captured on ``meta``: no weights inside
+    sharding/rank0.json      per rank: for every parameter, the checkpoint tensor(s), their
+    sharding/rank1.json      dtype and full shape, the split dim and the [start, stop)
+    ...                      range this rank reads, whether they may be mxfp4
+    code/decode.py           a readable dump of each program (for humans: never executed)
+    code/prefill.py
+
+``manifest.json`` (format ``"k3compile-artifact"``, :data:`FORMAT_VERSION`)::
+
+    {"format": "k3compile-artifact", "format_version": 1,
+     "k3compile_version": "0.1.0", "torch_version": "2.13.0+cpu",
+     "config": K3Config.to_dict(),
+     "model_dir": "/abs/path/of/the/checkpoint",        # where the runtime reads weights
+     "checkpoint_index_sha256": "<sha256 of model.safetensors.index.json>",
+     "dtype": "bfloat16", "block_size": 16,
+     "parallel": {"tp": 8, "dcp": 1},                    # dcp is reserved: always 1
+     "target": "mi355x", "phases": ["decode", "prefill"],
+     "passes": [ {...}, ... ],                           # per-pass summaries, as given
+     "capture_stats": {"seconds": {...}, "nodes": {...}, "peak_rss_bytes": ...},
+     "files": {"decode.pt2": {"sha256": "...", "size": 123}, ...}}
+
+``sharding/rank<r>.json``::
+
+    {"format": "k3compile-sharding", "rank": r, "tp": 8, "checkpoint_prefix": "language_model.",
+     "params": {"k3.model.layers.0.mlp.gate_proj.weight": {
+         "checkpoint_names": ["model.layers.0.mlp.gate_proj.weight"],   # stacked when > 1
+         "dtype": "bf16", "shape": [18432, 7168], "dim": 0, "extent": null,
+         "range": [0, 2304], "local_shape": [2304, 7168], "quantized": false}, ...}}
+
+Weights stay in the original checkpoint; each rank reads only its slices at load time.
+
+Safety. There is no pickle anywhere: before saving, each program's example inputs are
+dropped (``torch.export.save`` would otherwise write them with ``torch.save`` into
+``data/sample_inputs/model.pt``), and every written archive is scanned. Loading never
+executes code from the artifact: the manifest and rank files are JSON, the ``code/``
+dumps are only hashed, and each ``.pt2`` is scanned *before* ``torch.export.load`` sees
+it (no pickled payloads, no nested ``torch.save`` archives, no compiled AOTInductor
+libraries, no legacy-format members), so ``torch.export.load`` only parses JSON and raw
+tensor bytes.
+
+Writes are atomic: everything is written and fsynced in a hidden temporary sibling of
+``OUT`` (``.OUT.tmp-*``) and renamed onto ``OUT``; replacing an existing artifact renames
+the old one away first and deletes it last, so a failure leaves the old ``OUT`` or none,
+never a partial one. Loading checks format and version, every file's size and sha256,
+missing and unexpected files, the world size, and the source checkpoint's index hash,
+and raises :class:`ArtifactError` naming the file and field that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.export import ExportedProgram
+
+import k3compile
+from k3compile.capture import CapturedModel, CaptureStats
+from k3compile.checkpoint.loader import INDEX_FILE
+from k3compile.config import K3Config
+from k3compile.sharding import ParallelPlan, ShardingError, ShardSpec
+
+FORMAT_NAME = "k3compile-artifact"
+FORMAT_VERSION = 1
+SHARDING_FORMAT = "k3compile-sharding"
+MANIFEST = "manifest.json"
+
+#: Model dtypes an artifact may name (manifest string <-> torch dtype); never getattr.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_CHECKPOINT_DTYPES = ("bf16", "f32")
+_PICKLE_PROTO = b"\x80"
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class ArtifactError(ValueError):
+    """An artifact cannot be written or loaded; the message names the file and field."""
+
+
+class ArtifactWarning(UserWarning):
+    """Something about an artifact is off but loading goes on (``check_checkpoint="warn"``)."""
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    """Everything in ``manifest.json`` except the file hashes, typed."""
+
+    format: str
+    format_version: int
+    k3compile_version: str
+    torch_version: str
+    config: K3Config
+    model_dir: str
+    checkpoint_index_sha256: str
+    dtype: torch.dtype
+    block_size: int
+    tp: int
+    dcp: int
+    target: str
+    phases: tuple[str, ...]
+    passes: list[Any]
+    capture_stats: CaptureStats
+
+
+@dataclass
+class LoadedArtifact:
+    path: Path
+    info: ArtifactInfo
+    programs: dict[str, ExportedProgram]
+    specs: dict[str, ShardSpec]  # by the programs' parameter names
+
+    @property
+    def config(self) -> K3Config:
+        return self.info.config
+
+    def ranges(self, rank: int) -> dict[str, tuple[int, int] | None]:
+        """[start, stop) along each parameter's split dim that ``rank`` reads."""
+        plan = ParallelPlan(self.info.tp, rank)
+        return {name: spec.split_range(plan) for name, spec in self.specs.items()}
+
+
+# ---------------------------------------------------------------------------
+# Small file helpers
+# ---------------------------------------------------------------------------
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # not supported on this platform/filesystem
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ArtifactError(f"model dtype {dtype} is not one of {', '.join(DTYPES)}")
+
+
+def _checkpoint_index_hash(model_dir: Path) -> str:
+    index = model_dir / INDEX_FILE
+    if not index.is_file():
+        raise ArtifactError(f"{index}: missing checkpoint index (the artifact's weights are read from {model_dir})")
+    return _sha256_file(index)
+
+
+def _list_files(root: Path) -> dict[str, Path]:
+    """Every regular file under ``root`` by its posix path relative to ``root``; refuses
+    symlinks and other special files (they could point outside the artifact)."""
+    out: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                raise ArtifactError(f"{root}: '{rel}' is a symbolic link; an artifact holds only regular files")
+        for name in filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if not p.is_file():
+                raise ArtifactError(f"{root}: '{rel}' is not a regular file")
+            out[rel] = p
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The .pt2 archives: write without pickle, scan before loading
+# ---------------------------------------------------------------------------
+
+
+def _save_program(program: ExportedProgram, path: Path) -> None:
+    """``torch.export.save`` without the example inputs (the only pickle it writes for
+    programs captured on meta: ``data/sample_inputs/model.pt``)."""
+    saved = program._example_inputs
+    program._example_inputs = None
+    try:
+        torch.export.save(program, path)
+    finally:
+        program._example_inputs = saved
+    _fsync_file(path)
+
+
+def check_no_pickle(path: str | Path, label: str | None = None) -> None:
+    """Raise :class:`ArtifactError` unless the ``.pt2`` archive at ``path`` can be loaded
+    without unpickling or running anything: no member starting with a pickle protocol
+    header, no nested zip (a ``torch.save`` archive holds a pickle), no non-empty
+    ``.pt``/``.pkl``, no payload marked ``use_pickle``, no AOTInductor libraries, and the
+    current (not the legacy, pickle-based) archive layout. Raw tensor payloads named by
+    the weights/constants configs are bytes read with ``frombuffer``: they are exempt
+    from the header check (a tensor's first byte may well be 0x80)."""
+    path = Path(path)
+    label = label or path.name
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ArtifactError(f"{label}: not a torch.export archive ({e})") from e
+    with zf:
+        infos = zf.infolist()
+        # Members sit under one root folder (the file's stem when it was written).
+        roots = {i.filename.split("/", 1)[0] for i in infos}
+        if len(roots) != 1:
+            raise ArtifactError(f"{label}: expected one archive root folder, found {sorted(roots)}")
+        (root,) = roots
+        members = {i.filename[len(root) + 1 :]: i for i in infos if not i.is_dir()}
+        if "models/model.json" not in members:
+            raise ArtifactError(f"{label}: no 'models/model.json' (not a current torch.export archive)")
+        raw_payloads: set[str] = set()
+        for name, info in members.items():
+            for base in ("data/weights/", "data/constants/"):
+                if name.startswith(base) and name.endswith("_config.json"):
+                    try:
+                        config = json.loads(zf.read(info))["config"]
+                        entries = list(config.items())
+                    except (ValueError, KeyError, TypeError, AttributeError) as e:
+                        raise ArtifactError(f"{label}: member '{name}' is not a payload config ({e})") from e
+                    for fqn, meta in entries:
+                        if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
+                            raise ArtifactError(f"{label}: '{fqn}' in '{name}' is stored as a pickle")
+                        raw_payloads.add(base + str(meta.get("path_name")))
+        for name, info in members.items():
+            if name.startswith("data/aotinductor/") or name.endswith((".so", ".dll", ".dylib")):
+                raise ArtifactError(f"{label}: member '{name}' is compiled code; artifacts hold none")
+            if name.endswith((".pt", ".pkl", ".pickle")) and info.file_size > 0:
+                raise ArtifactError(f"{label}: member '{name}' is a non-empty torch.save/pickle file")
+            if name in raw_payloads:
+                continue
+            with zf.open(info) as f:
+                head = f.read(4)
+            if head.startswith(_PICKLE_PROTO):
+                raise ArtifactError(f"{label}: member '{name}' is a pickle (starts with protocol header 0x80)")
+            if head == _ZIP_MAGIC:
+                raise ArtifactError(f"{label}: member '{name}' is a nested zip (a torch.save archive holds a pickle)")
+
+
+# ---------------------------------------------------------------------------
+# Sharding files
+# ---------------------------------------------------------------------------
+
+
+def _rank_file(specs: dict[str, ShardSpec], tp: int, rank: int, prefix: str) -> dict[str, Any]:
+    plan = ParallelPlan(tp, rank)
+    params = {}
+    for name, spec in sorted(specs.items()):
+        rng = spec.split_range(plan)
+        params[name] = {
+            "checkpoint_names": list(spec.names),
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "dim": spec.dim,
+            "extent": spec.extent,
+            "range": None if rng is None else list(rng),
+            "local_shape": list(spec.local_shape(plan)),
+            "quantized": spec.quantized,
+        }
+    return {"format": SHARDING_FORMAT, "rank": rank, "tp": tp, "checkpoint_prefix": prefix, "params": params}
+
+
+def _int_list(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ArtifactError(f"{where}: must be a list of integers, got {value!r}")
+    return value
+
+
+def _parse_rank_file(raw: Any, label: str, tp: int, rank: int) -> dict[str, ShardSpec]:
+    if not isinstance(raw, dict) or raw.get("format") != SHARDING_FORMAT:
+        raise ArtifactError(f"{label}: field 'format' must be {SHARDING_FORMAT!r}")
+    if raw.get("rank") != rank or raw.get("tp") != tp:
+        raise ArtifactError(
+            f"{label}: fields 'rank'/'tp' are {raw.get('rank')!r}/{raw.get('tp')!r}, expected {rank}/{tp}"
+        )
+    params = raw.get("params")
+    if not isinstance(params, dict):
+        raise ArtifactError(f"{label}: field 'params' must be an object")
+    plan = ParallelPlan(tp, rank)
+    specs: dict[str, ShardSpec] = {}
+    for name, p in params.items():
+        where = f"{label}: params['{name}']"
+        if not isinstance(p, dict):
+            raise ArtifactError(f"{where}: must be an object")
+        try:
+            names = p["checkpoint_names"]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ArtifactError(f"{where}.checkpoint_names: must be a list of strings")
+            if p["dtype"] not in _CHECKPOINT_DTYPES:
+                raise ArtifactError(f"{where}.dtype: {p['dtype']!r} is not one of {_CHECKPOINT_DTYPES}")
+            for key in ("dim", "extent"):
+                if p[key] is not None and (not isinstance(p[key], int) or isinstance(p[key], bool)):
+                    raise ArtifactError(f"{where}.{key}: must be an integer or null")
+            if not isinstance(p["quantized"], bool):
+                raise ArtifactError(f"{where}.quantized: must be true or false")
+            spec = ShardSpec(
+                names=tuple(names),
+                shape=tuple(_int_list(p["shape"], f"{where}.shape")),
+                dtype=p["dtype"],
+                dim=p["dim"],
+                extent=p["extent"],
+                quantized=p["quantized"],
+            )
+            expected = spec.split_range(plan)
+            got = None if p["range"] is None else tuple(_int_list(p["range"], f"{where}.range"))
+        except KeyError as e:
+            raise ArtifactError(f"{where}: missing field {e}") from e
+        except ShardingError as e:
+            raise ArtifactError(f"{where}: {e}") from e
+        if got != expected:
+            raise ArtifactError(f"{where}.range: {p['range']} but the spec gives rank {rank} of tp={tp} {expected}")
+        specs[name] = spec
+    return specs
+
+
+# ---------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------
+
+
+def _check_params_have_specs(captured: CapturedModel) -> None:
+    for phase, program in captured.programs.items():
+        missing = [n for n in program.graph_signature.parameters if n not in captured.specs]
+        if missing:
+            raise ArtifactError(f"{phase} program: parameters without a shard spec: {missing[:5]}")
+
+
+def _is_artifact(path: Path) -> bool:
+    try:
+        return json.loads((path / MANIFEST).read_bytes()).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def save_artifact(
+    out_dir: str | Path,
+    captured: CapturedModel,
+    model_dir: str | Path,
+    target: str,
+    pass_summaries: list[Any],
+    overwrite: bool = False,
+) -> Path:
+    """Write ``captured`` as an artifact at ``out_dir`` atomically; returns its path.
+
+    ``model_dir`` is the checkpoint the runtime will read weights from (its index is
+    hashed); ``pass_summaries`` is any JSON-serialisable list (one entry per pass run).
+    An existing ``out_dir`` is refused unless ``overwrite``, and even then only if it is
+    a k3compile artifact or an empty directory."""
+    from k3compile.targets import get_target
+
+    out = Path(out_dir).absolute()
+    model_dir = Path(model_dir).resolve()
+    try:
+        get_target(target)
+    except ValueError as e:
+        raise ArtifactError(str(e)) from e
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise ArtifactError(f"{out} already exists (pass overwrite=True to replace it)")
+        if not out.is_dir() or out.is_symlink() or not (_is_artifact(out) or not any(out.iterdir())):
+            raise ArtifactError(f"refusing to overwrite {out}: it is not a k3compile artifact")
+    if not captured.programs:
+        raise ArtifactError("nothing to save: the captured model has no programs")
+    for phase in captured.programs:
+        if not phase.isidentifier():
+            raise ArtifactError(f"phase name {phase!r} is not an identifier (it names the artifact's files)")
+    _check_params_have_specs(captured)
+    index_sha = _checkpoint_index_hash(model_dir)
+    tp = captured.plan.tp
+    dtype = _dtype_name(captured.dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for phase, program in captured.programs.items():
+            path = tmp / f"{phase}.pt2"
+            _save_program(program, path)
+            check_no_pickle(path, f"{phase}.pt2")
+            header = f"# k3compile artifact: the {phase} program, for reading only (never executed).\n\n"
+            _write_bytes(tmp / "code" / f"{phase}.py", (header + str(program)).encode())
+        for rank in range(tp):
+            _write_json(
+                tmp / "sharding" / f"rank{rank}.json",
+                _rank_file(captured.specs, tp, rank, captured.config.checkpoint_prefix),
+            )
+        files = {
+            rel: {"sha256": _sha256_file(p), "size": p.stat().st_size} for rel, p in sorted(_list_files(tmp).items())
+        }
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "k3compile_version": k3compile.__version__,
+            "torch_version": torch.__version__,
+            "config": captured.config.to_dict(),
+            "model_dir": str(model_dir),
+            "checkpoint_index_sha256": index_sha,
+            "dtype": dtype,
+            "block_size": captured.block_size,
+            "parallel": {"tp": tp, "dcp": 1},
+            "target": target,
+            "phases": list(captured.programs),
+            "passes": pass_summaries,
+            "capture_stats": dataclasses.asdict(captured.stats),
+            "files": files,
+        }
+        try:
+            text = json.dumps(manifest, indent=1)
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(
+                f"manifest.json: field 'passes' (or 'capture_stats') is not JSON-serialisable: {e}"
+            ) from e
+        _write_bytes(tmp / MANIFEST, (text + "\n").encode())
+        for d in (tmp / "code", tmp / "sharding", tmp):
+            _fsync_dir(d)
+        _install(tmp, out, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _install(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` onto ``out``; an existing ``out`` is renamed away first
+    and deleted last, and restored if the rename in fails."""
+    if not (out.exists() or out.is_symlink()):
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        return
+    if not overwrite:  # appeared while we were writing
+        raise ArtifactError(f"{out} already exists (pass overwrite=True to replace it)")
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rmdir(old)  # a unique name for the old artifact
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    _fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------
+
+
+def _field(raw: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:
+    if key not in raw:
+        raise ArtifactError(f"{MANIFEST}: missing field '{key}'")
+    value = raw[key]
+    if not isinstance(value, types) or (isinstance(value, bool) and types is int):
+        raise ArtifactError(
+            f"{MANIFEST}: field '{key}' has type {type(value).__name__}, expected {getattr(types, '__name__', types)}"
+        )
+    return value
+
+
+def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{MANIFEST}: top level must be a JSON object")
+    fmt = raw.get("format")
+    if fmt != FORMAT_NAME:
+        raise ArtifactError(
+            f"{MANIFEST}: field 'format' is {fmt!r}, expected {FORMAT_NAME!r} (not a k3compile artifact)"
+        )
+    version = _field(raw, "format_version", int)
+    if version != FORMAT_VERSION:
+        newer = " (written by a newer k3compile)" if version > FORMAT_VERSION else ""
+        raise ArtifactError(
+            f"{MANIFEST}: field 'format_version' is {version}{newer}; this k3compile reads version {FORMAT_VERSION}"
+        )
+    try:
+        config = K3Config.from_dict(_field(raw, "config", dict))
+    except ArtifactError:
+        raise
+    except Exception as e:  # ConfigError, TypeError for unknown/missing keys
+        raise ArtifactError(f"{MANIFEST}: field 'config' is not a valid K3 config ({e})") from e
+    dtype_name = _field(raw, "dtype", str)
+    if dtype_name not in DTYPES:
+        raise ArtifactError(f"{MANIFEST}: field 'dtype' is {dtype_name!r}, expected one of {', '.join(DTYPES)}")
+    parallel = _field(raw, "parallel", dict)
+    tp, dcp = parallel.get("tp"), parallel.get("dcp")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ArtifactError(f"{MANIFEST}: field 'parallel.tp' is {tp!r}, expected a positive integer")
+    if dcp != 1:
+        raise ArtifactError(f"{MANIFEST}: field 'parallel.dcp' is {dcp!r}; format version 1 supports only dcp=1")
+    block_size = _field(raw, "block_size", int)
+    if block_size < 1:
+        raise ArtifactError(f"{MANIFEST}: field 'block_size' is {block_size}, expected a positive integer")
+    phases = _field(raw, "phases", list)
+    if (
+        not phases
+        or not all(isinstance(p, str) and p.isidentifier() for p in phases)
+        or len(set(phases)) != len(phases)
+    ):
+        raise ArtifactError(f"{MANIFEST}: field 'phases' must be a non-empty list of distinct names, got {phases!r}")
+    stats = _field(raw, "capture_stats", dict)
+    try:
+        capture_stats = CaptureStats(**stats)
+    except TypeError as e:
+        raise ArtifactError(f"{MANIFEST}: field 'capture_stats' ({e})") from e
+    files = _field(raw, "files", dict)
+    for name, entry in files.items():
+        parts = name.split("/")
+        if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name or name == MANIFEST:
+            raise ArtifactError(f"{MANIFEST}: field 'files' names an invalid path {name!r}")
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("sha256"), str)
+            or not isinstance(entry.get("size"), int)
+        ):
+            raise ArtifactError(
+                f"{MANIFEST}: field 'files' entry {name!r} needs 'sha256' (string) and 'size' (integer)"
+            )
+    info = ArtifactInfo(
+        format=fmt,
+        format_version=version,
+        k3compile_version=_field(raw, "k3compile_version", str),
+        torch_version=_field(raw, "torch_version", str),
+        config=config,
+        model_dir=_field(raw, "model_dir", str),
+        checkpoint_index_sha256=_field(raw, "checkpoint_index_sha256", str),
+        dtype=DTYPES[dtype_name],
+        block_size=block_size,
+        tp=tp,
+        dcp=dcp,
+        target=_field(raw, "target", str),
+        phases=tuple(phases),
+        passes=_field(raw, "passes", list),
+        capture_stats=capture_stats,
+    )
+    return info, files
+
+
+def _verify_files(root: Path, info: ArtifactInfo, files: dict[str, dict[str, Any]]) -> None:
+    expected = {f"{p}.pt2" for p in info.phases} | {f"code/{p}.py" for p in info.phases}
+    expected |= {f"sharding/rank{r}.json" for r in range(info.tp)}
+    unlisted, unknown = sorted(expected - set(files)), sorted(set(files) - expected)
+    if unlisted:
+        raise ArtifactError(f"{MANIFEST}: field 'files' does not list '{unlisted[0]}', which phases/tp require")
+    if unknown:
+        raise ArtifactError(
+            f"{MANIFEST}: field 'files' lists '{unknown[0]}', which is not part of this artifact's layout"
+        )
+    present = _list_files(root)
+    present.pop(MANIFEST, None)
+    missing, extra = sorted(set(files) - set(present)), sorted(set(present) - set(files))
+    if missing:
+        raise ArtifactError(f"{root / missing[0]}: missing (listed in {MANIFEST})")
+    if extra:
+        raise ArtifactError(f"{root / extra[0]}: unexpected file (not listed in {MANIFEST})")
+    for name, entry in sorted(files.items()):
+        path = present[name]
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise ArtifactError(
+                f"{path}: size {size} differs from {entry['size']} in {MANIFEST} (modified or truncated)"
+            )
+        digest = _sha256_file(path)
+        if digest != entry["sha256"]:
+            raise ArtifactError(f"{path}: sha256 {digest} differs from {MANIFEST} (the file was modified)")
+
+
+def _check_checkpoint(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
+    if mode is False:
+        return
+    try:
+        digest = _checkpoint_index_hash(Path(info.model_dir))
+        problem = None
+        if digest != info.checkpoint_index_sha256:
+            problem = (
+                f"{Path(info.model_dir) / INDEX_FILE}: the source checkpoint changed since compilation "
+                f"(index sha256 {digest}, the artifact was compiled against {info.checkpoint_index_sha256})"
+            )
+    except ArtifactError as e:
+        problem = str(e)
+    if problem is None:
+        return
+    if mode == "warn":
+        warnings.warn(problem, ArtifactWarning, stacklevel=3)
+    else:
+        raise ArtifactError(problem)
+
+
+def read_artifact_info(
+    out_dir: str | Path,
+    world_size: int | None = None,
+    check_checkpoint: bool | Literal["warn"] = True,
+) -> ArtifactInfo:
+    """Verify an artifact (manifest, versions, every file's size and hash, world size,
+    source checkpoint) without loading its programs."""
+    root = Path(out_dir)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no artifact directory")
+    manifest = root / MANIFEST
+    if not manifest.is_file():
+        raise ArtifactError(f"{manifest}: missing manifest (not a k3compile artifact, or an incomplete one)")
+    try:
+        raw = json.loads(manifest.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{manifest}: not valid JSON ({e})") from e
+    info, files = _parse_manifest(raw)
+    _verify_files(root, info, files)
+    if world_size is not None and world_size != info.tp:
+        raise ArtifactError(
+            f"{MANIFEST}: field 'parallel.tp' is {info.tp} but the world size is {world_size}; "
+            f"run with {info.tp} ranks or compile for tp={world_size}"
+        )
+    _check_checkpoint(info, check_checkpoint)
+    return info
+
+
+def load_artifact(
+    out_dir: str | Path,
+    world_size: int | None = None,
+    check_checkpoint: bool | Literal["warn"] = True,
+) -> LoadedArtifact:
+    """Verify and load an artifact: its programs (without weights) and shard specs.
+
+    ``check_checkpoint``: True raises if the source checkpoint's index changed or is
+    gone, ``"warn"`` warns (:class:`ArtifactWarning`), False skips the check."""
+    import k3compile.ops  # noqa: F401  (the programs call torch.ops.k3.*)
+
+    root = Path(out_dir)
+    info = read_artifact_info(root, world_size, check_checkpoint)
+    specs: dict[str, ShardSpec] | None = None
+    for rank in range(info.tp):
+        label = f"sharding/rank{rank}.json"
+        try:
+            raw = json.loads((root / label).read_bytes())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"{label}: not valid JSON ({e})") from e
+        rank_specs = _parse_rank_file(raw, label, info.tp, rank)
+        if specs is None:
+            specs = rank_specs
+        elif rank_specs != specs:
+            diff = sorted(set(specs) ^ set(rank_specs)) or [n for n in specs if specs[n] != rank_specs[n]]
+            raise ArtifactError(f"{label}: disagrees with sharding/rank0.json about {diff[:3]}")
+    assert specs is not None
+    for phase in info.phases:
+        check_no_pickle(root / f"{phase}.pt2", f"{phase}.pt2")
+    programs: dict[str, ExportedProgram] = {}
+    for phase in info.phases:
+        try:
+            programs[phase] = torch.export.load(root / f"{phase}.pt2")
+        except Exception as e:
+            raise ArtifactError(
+                f"{phase}.pt2: torch.export.load failed ({type(e).__name__}: {e}); written by torch "
+                f"{info.torch_version}, this is torch {torch.__version__}"
+            ) from e
+        missing = [n for n in programs[phase].graph_signature.parameters if n not in specs]
+        if missing:
+            raise ArtifactError(f"{phase}.pt2: parameters without an entry in sharding/rank*.json: {missing[:5]}")
+    return LoadedArtifact(root, info, programs, specs)
