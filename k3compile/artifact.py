@@ -63,7 +63,7 @@ import shutil
 import tempfile
 import warnings
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,7 +74,7 @@ import k3compile
 from k3compile.capture import CapturedModel, CaptureStats
 from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import K3Config
-from k3compile.sharding import ParallelPlan, ShardingError, ShardSpec
+from k3compile.sharding import ParallelPlan, ShardingError, ShardOffset, ShardSpec
 
 FORMAT_NAME = "k3compile-artifact"
 FORMAT_VERSION = 1
@@ -127,6 +127,7 @@ class LoadedArtifact:
     info: ArtifactInfo
     programs: dict[str, ExportedProgram]
     specs: dict[str, ShardSpec]  # by the programs' parameter names
+    constants: dict[str, ShardOffset] = field(default_factory=dict)  # per-rank buffers by name
 
     @property
     def config(self) -> K3Config:
@@ -291,7 +292,9 @@ def check_no_pickle(path: str | Path, label: str | None = None) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _rank_file(specs: dict[str, ShardSpec], tp: int, rank: int, prefix: str) -> dict[str, Any]:
+def _rank_file(
+    specs: dict[str, ShardSpec], constants: dict[str, ShardOffset], tp: int, rank: int, prefix: str
+) -> dict[str, Any]:
     plan = ParallelPlan(tp, rank)
     params = {}
     for name, spec in sorted(specs.items()):
@@ -306,7 +309,37 @@ def _rank_file(specs: dict[str, ShardSpec], tp: int, rank: int, prefix: str) -> 
             "local_shape": list(spec.local_shape(plan)),
             "quantized": spec.quantized,
         }
-    return {"format": SHARDING_FORMAT, "rank": rank, "tp": tp, "checkpoint_prefix": prefix, "params": params}
+    consts = {
+        name: {"kind": "shard_offset", "extent": off.extent, "value": off.value(plan)}
+        for name, off in sorted(constants.items())
+    }
+    return {
+        "format": SHARDING_FORMAT, "rank": rank, "tp": tp, "checkpoint_prefix": prefix,
+        "params": params, "constants": consts,
+    }
+
+
+def _parse_constants(raw: Any, label: str, plan: ParallelPlan) -> dict[str, ShardOffset]:
+    consts = raw.get("constants", {})
+    if not isinstance(consts, dict):
+        raise ArtifactError(f"{label}: field 'constants' must be an object")
+    out: dict[str, ShardOffset] = {}
+    for name, c in consts.items():
+        where = f"{label}: constants['{name}']"
+        if not isinstance(c, dict) or c.get("kind") != "shard_offset":
+            raise ArtifactError(f"{where}: must be an object with kind 'shard_offset'")
+        extent, value = c.get("extent"), c.get("value")
+        if not isinstance(extent, int) or isinstance(extent, bool) or extent < 1:
+            raise ArtifactError(f"{where}.extent: must be a positive integer")
+        offset = ShardOffset(extent)
+        try:
+            expected = offset.value(plan)
+        except ShardingError as e:
+            raise ArtifactError(f"{where}: {e}") from e
+        if value != expected:
+            raise ArtifactError(f"{where}.value: {value!r} but rank {plan.rank} of tp={plan.tp} starts at {expected}")
+        out[name] = offset
+    return out
 
 
 def _int_list(value: Any, where: str) -> list[int]:
@@ -430,7 +463,7 @@ def save_artifact(
         for rank in range(tp):
             _write_json(
                 tmp / "sharding" / f"rank{rank}.json",
-                _rank_file(captured.specs, tp, rank, captured.config.checkpoint_prefix),
+                _rank_file(captured.specs, captured.constants, tp, rank, captured.config.checkpoint_prefix),
             )
         files = {
             rel: {"sha256": _sha256_file(p), "size": p.stat().st_size} for rel, p in sorted(_list_files(tmp).items())
@@ -674,6 +707,7 @@ def load_artifact(
     root = Path(out_dir)
     info = read_artifact_info(root, world_size, check_checkpoint)
     specs: dict[str, ShardSpec] | None = None
+    constants: dict[str, ShardOffset] | None = None
     for rank in range(info.tp):
         label = f"sharding/rank{rank}.json"
         try:
@@ -681,6 +715,11 @@ def load_artifact(
         except (ValueError, UnicodeDecodeError) as e:
             raise ArtifactError(f"{label}: not valid JSON ({e})") from e
         rank_specs = _parse_rank_file(raw, label, info.tp, rank)
+        rank_constants = _parse_constants(raw, label, ParallelPlan(info.tp, rank))
+        if constants is None:
+            constants = rank_constants
+        elif rank_constants != constants:
+            raise ArtifactError(f"{label}: disagrees with sharding/rank0.json about the per-rank constants")
         if specs is None:
             specs = rank_specs
         elif rank_specs != specs:
@@ -699,6 +738,7 @@ def load_artifact(
                 f"{info.torch_version}, this is torch {torch.__version__}"
             ) from e
         missing = [n for n in programs[phase].graph_signature.parameters if n not in specs]
+        missing += [n for n in programs[phase].graph_signature.buffers if n not in constants]
         if missing:
-            raise ArtifactError(f"{phase}.pt2: parameters without an entry in sharding/rank*.json: {missing[:5]}")
-    return LoadedArtifact(root, info, programs, specs)
+            raise ArtifactError(f"{phase}.pt2: inputs without an entry in sharding/rank*.json: {missing[:5]}")
+    return LoadedArtifact(root, info, programs, specs, constants or {})

@@ -34,7 +34,7 @@ from k3compile.batch import Batch, KDALayerCache, LayerCache, MLALayerCache
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
-from k3compile.sharding import ParallelPlan, ShardSpec, shard_specs
+from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec, rank_constants, shard_specs
 
 Phase = Literal["decode", "prefill"]
 PHASES: tuple[Phase, ...] = ("decode", "prefill")
@@ -175,6 +175,7 @@ class CapturedModel:
     programs: dict[str, ExportedProgram]
     specs: dict[str, ShardSpec]  # by the programs' parameter names
     stats: CaptureStats
+    constants: dict[str, ShardOffset] = field(default_factory=dict)  # per-rank buffers by name
 
 
 def build_step_model(cfg: K3Config, plan: ParallelPlan, dtype: torch.dtype) -> K3ForCausalLM:
@@ -207,6 +208,7 @@ def capture(
             drop_device_asserts(programs[phase])
             stats.seconds[phase] = time.perf_counter() - start
             stats.nodes[phase] = len(programs[phase].graph.nodes)
-        specs = shard_specs(StepModule(model, "decode"))
+        step = StepModule(model, "decode")
+        specs, constants = shard_specs(step), rank_constants(step)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return CapturedModel(cfg, plan, dtype, block_size, programs, specs, stats)
+    return CapturedModel(cfg, plan, dtype, block_size, programs, specs, stats, constants)

@@ -21,7 +21,7 @@ from k3compile.config import K3Config, load_config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
 from k3compile.sequences import RequestError, Sequence, SequenceTable
-from k3compile.sharding import ParallelPlan
+from k3compile.sharding import ParallelPlan, fill_rank_constants
 
 __all__ = ["ReferenceEngine", "RequestError", "load_reference", "zero_state_slot"]
 
@@ -113,5 +113,6 @@ def load_reference(
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, plan, tp, dtype)
     model = model.to_empty(device=device)
+    fill_rank_constants(model, plan)
     load_weights(model, model_dir, plan, cfg.checkpoint_prefix)
     return model.eval()

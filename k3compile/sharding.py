@@ -147,6 +147,46 @@ class ShardSpec:
         return math.prod(self.shape) * len(self.names)
 
 
+@dataclass(frozen=True)
+class ShardOffset:
+    """A per-rank constant: where this rank's block of ``extent`` starts (e.g. the first
+    vocabulary id of its embedding rows). Programs are shared by all ranks (SPMD), so such
+    a value is a graph input (a buffer) filled per rank at load, never a baked-in number."""
+
+    extent: int
+
+    def value(self, plan: ParallelPlan) -> int:
+        if self.extent % plan.tp:
+            raise ShardingError(f"extent {self.extent} does not divide by tp={plan.tp}")
+        return plan.rank * (self.extent // plan.tp)
+
+    def tensor(self, plan: ParallelPlan, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.tensor(self.value(plan), dtype=torch.int64, device=device)
+
+
+def register_shard_offset(module: nn.Module, name: str, offset: ShardOffset, plan: ParallelPlan) -> torch.Tensor:
+    """Register ``module.<name>`` as an int64 scalar buffer holding ``offset`` for ``plan``."""
+    module.register_buffer(name, offset.tensor(plan))
+    module.__dict__.setdefault("rank_constants", {})[name] = offset
+    return getattr(module, name)
+
+
+def rank_constants(model: nn.Module) -> dict[str, ShardOffset]:
+    """Every per-rank constant buffer by its fully qualified name."""
+    out: dict[str, ShardOffset] = {}
+    for mod_name, mod in model.named_modules():
+        for name, offset in mod.__dict__.get("rank_constants", {}).items():
+            out[f"{mod_name}.{name}" if mod_name else name] = offset
+    return out
+
+
+def fill_rank_constants(model: nn.Module, plan: ParallelPlan) -> None:
+    """Write every per-rank constant for ``plan`` (after ``to_empty`` left them garbage)."""
+    for mod in model.modules():
+        for name, offset in mod.__dict__.get("rank_constants", {}).items():
+            getattr(mod, name).copy_(offset.tensor(plan))
+
+
 def register_sharded_parameter(
     module: nn.Module, name: str, spec: ShardSpec, plan: ParallelPlan, model_dtype: torch.dtype
 ) -> nn.Parameter:

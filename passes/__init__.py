@@ -1,1 +1,11 @@
-"""Graph transformation passes, one per file (installed as ``k3compile.passes``)."""
+"""Graph transformation passes, one per file (installed as ``k3compile.passes``).
+
+``ALL_PASSES`` lists every pass by name in canonical pipeline order; a target's default
+pipeline (``k3compile.targets``) is a subset of these names.
+"""
+
+from k3compile.passes.remove_noops import RemoveNoops
+
+ALL_PASSES = {p.name: p for p in (RemoveNoops,)}
+
+__all__ = ["ALL_PASSES", "RemoveNoops"]

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3compile.distributed import TPGroup
-from k3compile.sharding import CheckpointDType, ParallelPlan, ShardSpec, register_sharded_parameter
+from k3compile.sharding import (
+    CheckpointDType,
+    ParallelPlan,
+    ShardOffset,
+    ShardSpec,
+    register_shard_offset,
+    register_sharded_parameter,
+)
 
 
 def weight_spec(
@@ -78,7 +85,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         spec = weight_spec(f"{prefix}.weight", (vocab, hidden), 0)
         self.weight = register_sharded_parameter(self, "weight", spec, plan, dtype)
-        self.vocab_start = plan.rank * (vocab // plan.tp)
+        register_shard_offset(self, "vocab_start", ShardOffset(vocab), plan)
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp.size == 1:

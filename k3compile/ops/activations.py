@@ -28,3 +28,10 @@ def situ_and_mul(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> T
 @situ_and_mul.register_fake
 def _(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     return torch.empty_like(gate)
+
+
+# Placement (k3compile.placement): pointwise in gate and up (column-parallel shards stay
+# sharded); about 9 FLOPs per element (two tanh, a sigmoid, scalings and products).
+from k3compile.placement import elementwise, register_op_rules  # noqa: E402
+
+register_op_rules({situ_and_mul: elementwise("gate", "up", flops_per_element=9)})

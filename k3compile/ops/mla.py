@@ -116,3 +116,47 @@ def mla_decode(
 def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
     B, H, _ = q.shape
     return q.new_empty(B, H, value_dim), q.new_empty(B, H, dtype=torch.float32)
+
+
+# Placement (k3compile.placement). Heads are split across TP ranks (q, and kv_b_proj by
+# whole heads); the latent cache is replicated (every rank caches the full latent of
+# every token: q_a/kv_a are replicated, there is no DCP split yet), so the cache write is
+# replicated work. Costs count the context as the block table's width x block size (an
+# upper bound on each sequence's cached length).
+from k3compile.placement import Cost, CostCall, register_op_rules, replicated, split  # noqa: E402
+
+
+def _mla_cache_write_cost(call: CostCall) -> Cost:
+    T, W = call.shape("kv")
+    written = T * W * call.itemsize("kv_cache")
+    return Cost(0, call.nbytes("kv") + call.nbytes("slot_mapping") + written)
+
+
+def _mla_prefill_cost(call: CostCall) -> Cost:
+    """Per sequence: decompress k_nope and v for the context (2*ctx*L*H*(Dn+Dv)); per new
+    token and head: scores and values (2*ctx*(Dqk+Dv)) and the softmax (5*ctx)."""
+    T, H, Dqk = call.shape("q")
+    L = call.size("kv_b_weight", 1)
+    W = call.size("kv_cache", 2)
+    Dn = Dqk - (W - L)
+    Dv = call.size("kv_b_weight", 0) // H - Dn
+    N = call.numel("seq_lens")
+    ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
+    flops = 2 * N * ctx * L * H * (Dn + Dv) + T * H * ctx * (2 * (Dqk + Dv) + 5)
+    return Cost(flops, call.io_bytes() + N * ctx * W * call.itemsize("kv_cache"))
+
+
+def _mla_decode_cost(call: CostCall) -> Cost:
+    """Per sequence and head: W-wide scores and value_dim-wide values over the context,
+    and the softmax: ctx*(2*W + 2*value_dim + 5)."""
+    B, H, W = call.shape("q")
+    ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
+    flops = B * H * ctx * (2 * W + 2 * int(call.arg("value_dim")) + 5)
+    return Cost(flops, call.io_bytes() + B * ctx * W * call.itemsize("kv_cache"))
+
+
+register_op_rules({
+    mla_cache_write: replicated(caches=("kv_cache",), cost=_mla_cache_write_cost),
+    mla_prefill: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", caches=("kv_cache",), cost=_mla_prefill_cost),
+    mla_decode: split({"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost),
+})

@@ -49,6 +49,14 @@ def moe_experts(
 ) -> Tensor:
     """z [T, D], weights/ids [T, k], w1/w3 [E, I, D], w2 [E, D, I] -> [T, D] in z.dtype."""
     out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    if z.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph no host sync is allowed: visit every expert with a
+        # per-token weight that is zero where the token did not pick it.
+        for e in range(w1.shape[0]):
+            gate = (weights * (ids == e)).sum(-1, keepdim=True).float()
+            h = situ_glu(z @ w1[e].t(), z @ w3[e].t(), situ_beta, situ_linear_beta).to(z.dtype)
+            out += gate * (h @ w2[e].t()).float()
+        return out.to(z.dtype)
     flat_ids = ids.reshape(-1)
     token_of = torch.arange(z.shape[0], device=z.device).repeat_interleave(ids.shape[-1])
     for e in torch.unique(flat_ids).tolist():
@@ -64,3 +72,29 @@ def moe_experts(
 @moe_experts.register_fake
 def _(z, weights, ids, w1, w3, w2, situ_beta, situ_linear_beta):
     return torch.empty_like(z)
+
+
+# Placement (k3compile.placement). Routing works on whole rows of expert scores (4 FLOPs
+# per logit: sigmoid, bias add, top-k, weights). The experts are split on their
+# intermediate dim (w1/w3 [E, I, D] on I, w2 [E, D, I] on I): each rank's SiTU-MLPs give
+# a partial sum of the down projection, hence Partial.
+from k3compile.placement import Cost, CostCall, register_op_rules, rowwise, split  # noqa: E402
+from k3compile.sharding import Partial  # noqa: E402
+
+
+def _moe_experts_cost(call: CostCall) -> Cost:
+    """2*3*T*top_k*I*D (three GEMVs per routed token; I = this rank's intermediate);
+    bytes: activations plus the weights of the experts touched (at most T*top_k)."""
+    T, D = call.shape("z")
+    top_k = call.size("ids", -1)
+    E, I = call.size("w1", 0), call.size("w1", 1)
+    touched = min(E, T * top_k) * 3 * I * D * call.itemsize("w1")
+    act = call.nbytes("z") + call.nbytes("weights") + call.nbytes("ids") + call.out_bytes()
+    return Cost(2 * 3 * T * top_k * I * D, act + touched)
+
+
+register_op_rules({
+    sigmoid_topk_route: rowwise("logits", flops_per_element=4),
+    moe_experts: split({"w1": 1, "w3": 1, "w2": 2}, out=Partial(), what="expert intermediate",
+                       cost=_moe_experts_cost),
+})

@@ -1,0 +1,104 @@
+"""``optimize``: model directory -> captured programs -> pass pipeline -> artifact.
+
+    model_dir --config--> rank-local model (meta) --torch.export--> one program per phase
+      --placements--> pass pipeline (records, diffs, validation) --> OUT/ (artifact)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3compile.artifact import save_artifact
+from k3compile.capture import PHASES, CapturedModel, capture
+from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
+from k3compile.config import load_config
+from k3compile.pipeline import PipelineOptions, PipelineResult, run_pipeline
+from k3compile.placement import propagate_placements
+from k3compile.sharding import ParallelPlan
+from k3compile.validation import TranslationValidator
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    tp: int = 1
+    target: str = "cpu"
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    enable: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()
+    validate: bool = False
+    rtol: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.validate and self.tp != 1:
+            raise ValueError("--validate runs the graphs in-process and needs --tp 1 (use a tiny model)")
+
+
+@dataclass
+class CompileResult:
+    out_dir: Path
+    captured: CapturedModel
+    pipeline: PipelineResult
+    phases_seconds: dict[str, float] = field(default_factory=dict)
+
+    def _repr_html_(self) -> str:
+        return self.pipeline._repr_html_()
+
+
+def check_checkpoint_headers(model_dir: Path, captured: CapturedModel) -> LoadReport:
+    """Every parameter's checkpoint tensors exist with the expected shapes and dtypes
+    (headers only, on meta): a bad checkpoint fails at optimize, not at load."""
+    report = LoadReport()
+    program = captured.programs[next(iter(captured.programs))]
+    with CheckpointReader(model_dir, captured.config.checkpoint_prefix) as reader:
+        for plan_rank in range(captured.plan.tp):
+            plan = ParallelPlan(captured.plan.tp, plan_rank)
+            for name, spec in captured.specs.items():
+                fill_parameter(reader, name, spec, plan, program.state_dict[name], report)
+    return report
+
+
+def optimize(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    options: CompileOptions = CompileOptions(),
+    overwrite: bool = False,
+    on_step: Callable[[str], None] | None = None,
+) -> CompileResult:
+    """Compile ``model_dir`` for ``options`` into the artifact directory ``out_dir``."""
+    model_dir = Path(model_dir)
+    say = on_step or (lambda _msg: None)
+    cfg = load_config(model_dir)
+    plan = ParallelPlan(options.tp, 0)
+    captured = capture(
+        cfg, plan, DTYPES[options.dtype], options.block_size, PHASES, on_phase=lambda p: say(f"capture {p}")
+    )
+    say("check checkpoint")
+    check_checkpoint_headers(model_dir, captured)
+    for program in captured.programs.values():
+        propagate_placements(program.graph_module, program, captured.specs, plan)
+    pipeline_options = PipelineOptions(
+        target=options.target, enable=options.enable, disable=options.disable, validate=options.validate, rtol=options.rtol
+    )
+    validator = (
+        TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants)
+        if options.validate
+        else None
+    )
+    result = run_pipeline(
+        captured.programs, cfg, plan, captured.specs, pipeline_options, validator,
+        on_pass=lambda name, phase: say(f"pass {name} ({phase})"),
+    )
+    say("write artifact")
+    out = save_artifact(
+        out_dir, captured, model_dir, options.target, [r.summary() for r in result.records], overwrite=overwrite
+    )
+    return CompileResult(out, captured, result)

@@ -1,0 +1,240 @@
+"""The pass contract and the pass pipeline.
+
+A pass is one class in one file of ``passes/``: a ``name``, a typed ``Config``
+dataclass, and ``run(gm, ctx) -> PassResult``. It rewrites the graph of one phase in
+place and reports what it did: whether it changed anything, how many candidates it
+matched, named stats (the standard ones below, plus its own), and every candidate it
+skipped with the reason.
+
+The pipeline runs each pass over every phase, in the target's order (switch passes on
+or off by name). After each pass: graph lint, shape re-propagation (fake tensors with
+the programs' symbolic sizes), placement re-propagation, optionally translation
+validation (the graph before and after, run on identical random inputs), and a
+:class:`~k3compile.records.PassRecord` for notebooks and the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from k3compile.config import K3Config
+from k3compile.sharding import ParallelPlan, ShardSpec
+from k3compile.targets import Target
+
+#: Stats every pass may report (counts per rank per step of the phase it ran on).
+STANDARD_STATS = ("nodes_removed", "nodes_added", "launches_removed", "bytes_removed", "flops_removed")
+
+
+class PassError(RuntimeError):
+    """A pass broke the graph (lint, shapes) or changed its numerics beyond tolerance."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate a pass looked at and left alone, and why."""
+
+    node: str
+    reason: str
+
+
+@dataclass
+class PassResult:
+    changed: bool
+    matches: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class NoConfig:
+    """For passes without options."""
+
+
+@dataclass
+class PassContext:
+    """What a pass may read (and, for ``specs``, update) besides the graph."""
+
+    config: K3Config
+    plan: ParallelPlan
+    target: Target
+    phase: str
+    program: ExportedProgram
+    #: Parameter name -> shard spec, shared by all phases: a pass that reshards a
+    #: parameter updates it here (and must do the same in every phase).
+    specs: dict[str, ShardSpec]
+
+
+class GraphPass(ABC):
+    """Base class of every pass: ``name``, ``Config`` and ``run``."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type] = NoConfig
+
+    def __init__(self, config: Any | None = None):
+        self.config = config if config is not None else self.Config()
+        if not isinstance(self.config, self.Config):
+            raise TypeError(f"pass {self.name}: config must be {self.Config.__name__}, got {type(self.config).__name__}")
+
+    @abstractmethod
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult: ...
+
+
+# ---------------------------------------------------------------------------
+# After-pass checks
+# ---------------------------------------------------------------------------
+
+
+def lint_graph(gm: GraphModule) -> None:
+    """FX's structural lint plus the invariants our programs keep."""
+    try:
+        gm.graph.lint()
+    except Exception as e:  # lint raises plain RuntimeError/AssertionError
+        raise PassError(f"graph lint failed: {e}") from e
+    outputs = [n for n in gm.graph.nodes if n.op == "output"]
+    if len(outputs) != 1:
+        raise PassError(f"graph must have exactly one output node, has {len(outputs)}")
+    gm.recompile()
+
+
+def sync_signature(program: ExportedProgram) -> None:
+    """Point the program's output specs at the graph's current output nodes (a pass may
+    have replaced the node that produced an output)."""
+    from torch.export.graph_signature import TensorArgument
+
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    specs = program.graph_signature.output_specs
+    if len(values) != len(specs):
+        raise PassError(f"graph has {len(values)} outputs, its signature {len(specs)}")
+    for spec, value in zip(specs, values):
+        if isinstance(spec.arg, TensorArgument):
+            spec.arg.name = value.name
+    placeholders = {n.name for n in program.graph.nodes if n.op == "placeholder"}
+    missing = [s.arg.name for s in program.graph_signature.input_specs if s.arg.name not in placeholders]
+    if missing:
+        raise PassError(f"a pass removed graph inputs {missing[:3]}; inputs are part of the calling convention")
+
+
+def propagate_shapes(gm: GraphModule) -> None:
+    """Recompute ``node.meta['val']`` for every node from the placeholders' fake values,
+    keeping the programs' symbolic sizes."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    fake_mode = torch._guards.detect_fake_mode(vals)
+    if fake_mode is None:
+        raise PassError("placeholders carry no fake values to propagate shapes from")
+    try:
+        FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*vals)
+    except Exception as e:
+        raise PassError(f"shape propagation failed: {e}") from e
+
+
+def count_ops(gm: GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            key = str(node.target)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+# ---------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Which passes run and what is checked after each."""
+
+    target: str = "cpu"
+    enable: tuple[str, ...] = ()  # passes to add to the target's default list
+    disable: tuple[str, ...] = ()  # passes to drop (by name)
+    validate: bool = False  # translation validation after each pass
+    rtol: float = 1e-4  # validation tolerance, relative to the output's max magnitude
+    pass_configs: tuple[tuple[str, Any], ...] = ()  # (pass name, its Config instance)
+
+
+def resolve_passes(target: Target, options: PipelineOptions) -> list[GraphPass]:
+    """The ordered pass instances for ``target`` after enable/disable; unknown names fail."""
+    from k3compile.passes import ALL_PASSES
+
+    for name in (*options.enable, *options.disable, *(n for n, _ in options.pass_configs)):
+        if name not in ALL_PASSES:
+            raise ValueError(f"unknown pass {name!r}; known passes: {', '.join(sorted(ALL_PASSES))}")
+    names = [n for n in target.default_passes if n not in options.disable]
+    names += [n for n in options.enable if n not in names and n not in options.disable]
+    # Keep the canonical order of ALL_PASSES for enabled extras.
+    order = list(ALL_PASSES)
+    names.sort(key=order.index)
+    configs = dict(options.pass_configs)
+    return [ALL_PASSES[n](configs.get(n)) for n in names]
+
+
+@dataclass
+class PipelineResult:
+    """The records of one pipeline run (one per pass and phase), in order."""
+
+    records: list[Any]  # k3compile.records.PassRecord
+
+    def _repr_html_(self) -> str:
+        from k3compile.records import pipeline_summary_html
+
+        return pipeline_summary_html(self.records)
+
+
+def run_pipeline(
+    programs: dict[str, ExportedProgram],
+    config: K3Config,
+    plan: ParallelPlan,
+    specs: dict[str, ShardSpec],
+    options: PipelineOptions,
+    validator: Callable[[str, GraphModule, GraphModule, PassContext], Any] | None = None,
+    on_pass: Callable[[str, str], None] | None = None,
+) -> PipelineResult:
+    """Run the passes over every phase's program in place and record each step.
+
+    ``validator(phase, before, after, ctx)`` runs translation validation and returns a
+    report with ``max_error`` and ``ok`` (see :mod:`k3compile.validation`); a failing
+    report raises :class:`PassError`."""
+    from k3compile.placement import propagate_placements
+    from k3compile.records import PassRecord, snapshot
+    from k3compile.targets import get_target
+
+    target = get_target(options.target)
+    records = []
+    for graph_pass in resolve_passes(target, options):
+        for phase, program in programs.items():
+            if on_pass:
+                on_pass(graph_pass.name, phase)
+            gm = program.graph_module
+            ctx = PassContext(config, plan, target, phase, program, specs)
+            before = snapshot(gm)
+            reference = copy.deepcopy(gm) if (options.validate and validator) else None
+            start = time.perf_counter()
+            result = graph_pass.run(gm, ctx)
+            lint_graph(gm)
+            sync_signature(program)
+            propagate_shapes(gm)
+            propagate_placements(gm, program, specs, plan)
+            seconds = time.perf_counter() - start
+            report = None
+            if reference is not None and result.changed:
+                report = validator(phase, reference, gm, ctx)
+                if not report.ok:
+                    raise PassError(
+                        f"pass {graph_pass.name} changed the {phase} graph's numerics: max error "
+                        f"{report.max_error:.3e} exceeds tolerance {report.tolerance:.3e}"
+                    )
+            records.append(PassRecord(graph_pass.name, phase, before, snapshot(gm), result, report, seconds))
+    return PipelineResult(records)

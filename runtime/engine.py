@@ -1,0 +1,260 @@
+"""Execute a compiled artifact on one rank: weights, caches, prefill, decode, generate.
+
+One process per TP rank (``torchrun`` sets RANK/WORLD_SIZE; gloo on CPU, NCCL/RCCL on
+GPU). Every rank runs the same programs on the same requests (SPMD) with its own slice of
+the weights, read from the original checkpoint at load.
+
+Caches are allocated once and updated in place by the programs: a paged MLA latent cache
+per MLA layer and KDA conv + recurrent state slots per KDA layer. Slot 0 and block 0 are
+scratch: padding rows of a CUDA-graph batch bucket write there, so a padded decode step
+needs no data-dependent masking.
+
+On GPU, decode runs under CUDA/HIP graphs, one per batch bucket (1, 2, 4, ... up to the
+slot count): the step's metadata is copied into static buffers and the graph replayed.
+Prefill runs eagerly (its packed shapes vary).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from k3compile.artifact import LoadedArtifact, load_artifact
+from k3compile.batch import Batch, CacheShape, allocate_caches
+from k3compile.capture import flatten_caches
+from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
+from k3compile.reference import zero_state_slot
+from k3compile.runtime.sampling import SamplingParams, sample
+from k3compile.sequences import RequestError, SequenceTable
+from k3compile.sharding import ParallelPlan
+
+__all__ = ["Runtime", "RuntimeOptions", "load", "RequestError"]
+
+SCRATCH_SLOT = 0
+SCRATCH_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Cache capacity and execution choices of one runtime."""
+
+    max_sequences: int = 8
+    max_context: int = 4096  # tokens per sequence
+    device: str | None = None  # default: cuda:<local rank> if available, else cpu
+    cuda_graphs: bool | None = None  # default: on for GPU devices
+    check_checkpoint: bool = True
+
+
+def _device(options: RuntimeOptions) -> torch.device:
+    if options.device:
+        return torch.device(options.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(world_size: int, device: torch.device) -> int:
+    """Join (or create) the default process group; returns this process's rank."""
+    if world_size == 1:
+        return 0
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise RuntimeError(f"the artifact needs {world_size} ranks: start it with torchrun --nproc-per-node {world_size}")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() != world_size:
+        raise RuntimeError(f"artifact compiled for tp={world_size}, process group has {dist.get_world_size()} ranks")
+    return dist.get_rank()
+
+
+def load_rank_weights(
+    artifact: LoadedArtifact, program: ExportedProgram, plan: ParallelPlan, device: torch.device
+) -> tuple[dict[str, Tensor], LoadReport]:
+    """Every program parameter (this rank's slice, read from the source checkpoint) and
+    every per-rank constant buffer."""
+    report = LoadReport()
+    weights: dict[str, Tensor] = {name: c.tensor(plan, device) for name, c in artifact.constants.items()}
+    prefix = artifact.config.checkpoint_prefix
+    with CheckpointReader(artifact.info.model_dir, prefix) as reader:
+        for spec_in in program.graph_signature.input_specs:
+            if spec_in.kind != InputKind.PARAMETER:
+                continue
+            name = spec_in.target
+            meta = program.state_dict[name]
+            param = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            fill_parameter(reader, name, artifact.specs[name], plan, param, report)
+            weights[name] = param
+    return weights, report
+
+
+class Runtime:
+    """Prefill / decode / generate over an artifact's programs on one rank."""
+
+    def __init__(self, artifact: LoadedArtifact, rank: int, device: torch.device, options: RuntimeOptions):
+        self.artifact = artifact
+        self.cfg = artifact.config
+        self.rank = rank
+        self.device = device
+        self.options = options
+        self.plan = ParallelPlan(artifact.info.tp, rank)
+        bs = artifact.info.block_size
+        blocks_per_seq = -(-options.max_context // bs)
+        self.max_blocks_per_seq = blocks_per_seq
+        shape = CacheShape(
+            num_slots=options.max_sequences + 1, num_blocks=options.max_sequences * blocks_per_seq + 1, block_size=bs
+        )
+        self.caches = allocate_caches(self.cfg, self.plan, shape, artifact.info.dtype, device)
+        self.cache_tensors = flatten_caches(self.caches)
+        self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1)
+        self.weights, self.load_report = load_rank_weights(artifact, artifact.programs["decode"], self.plan, device)
+        self.modules = {}
+        for phase, program in artifact.programs.items():
+            module = program.module()
+            module.load_state_dict(self.weights, assign=True)
+            self.modules[phase] = module
+        use_graphs = options.cuda_graphs if options.cuda_graphs is not None else device.type == "cuda"
+        self.graphs = _DecodeGraphs(self) if use_graphs else None
+
+    # ----- requests -----------------------------------------------------------
+    def _run(self, phase: str, ids: Tensor, batch: Batch) -> Tensor:
+        return self.modules[phase](
+            ids, batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
+            batch.slot_mapping, batch.logit_indices, self.cache_tensors,
+        )
+
+    @torch.no_grad()
+    def step(self, seq_ids: list[int], tokens: list[list[int]]) -> Tensor:
+        """New tokens of existing sequences; fp32 logits of each sequence's last token [N, V]."""
+        self.table.check_step(seq_ids, tokens)
+        counts = [len(t) for t in tokens]
+        for s, n in zip(seq_ids, counts):
+            if self.table.sequences[s].length + n > self.options.max_context:
+                raise RequestError(f"sequence {s}: context beyond capacity ({self.options.max_context} tokens)")
+        self.table.reserve(seq_ids, counts)
+        decode = all(n == 1 for n in counts)
+        if decode and self.graphs is not None and len(seq_ids) <= self.graphs.max_batch:
+            logits = self.graphs.run(seq_ids, [t[0] for t in tokens])
+        else:
+            batch = self.table.make_batch(seq_ids, counts, decode, device=self.device)
+            ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=self.device)
+            logits = self._run("decode" if decode else "prefill", ids, batch)
+        self.table.advance(seq_ids, counts)
+        return logits
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[list[int], Tensor]:
+        """Start one sequence per prompt; returns their ids and last-token logits."""
+        self.table.check_new(prompts)
+        too_long = [i for i, p in enumerate(prompts) if len(p) > self.options.max_context]
+        if too_long:
+            raise RequestError(f"request {too_long[0]}: prompt longer than max_context={self.options.max_context}")
+        ids = [self.table.new_sequence() for _ in prompts]
+        for s in ids:
+            zero_state_slot(self.caches, self.table.sequences[s].slot)
+        try:
+            return ids, self.step(ids, prompts)
+        except RequestError:
+            for s in ids:
+                self.table.release(s)
+            raise
+
+    def decode(self, seq_ids: list[int], tokens: list[int]) -> Tensor:
+        return self.step(seq_ids, [[t] for t in tokens])
+
+    def release(self, seq_id: int) -> None:
+        self.table.release(seq_id)
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
+    ) -> list[list[int]]:
+        """New tokens for each prompt (all ranks sample identically: same seed, same logits)."""
+        gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        ids, logits = self.prefill(prompts)
+        out: list[list[int]] = [[] for _ in prompts]
+        try:
+            for step in range(max_new_tokens):
+                next_tokens = sample(logits, sampling, gen).tolist()
+                for o, t in zip(out, next_tokens):
+                    o.append(t)
+                if step + 1 < max_new_tokens:
+                    logits = self.decode(ids, next_tokens)
+        finally:
+            for s in ids:
+                self.release(s)
+        return out
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode program, one per batch bucket, with static inputs."""
+
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+        self.max_batch = runtime.options.max_sequences
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch] + [self.max_batch]
+        dev = runtime.device
+        width = runtime.max_blocks_per_seq
+        B = self.max_batch
+        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.slots = torch.full((B,), SCRATCH_SLOT, dtype=torch.int64, device=dev)
+        self.table = torch.full((B, width), SCRATCH_BLOCK, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.logit_indices = torch.arange(B, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        for b in self.buckets:
+            self.graphs[b] = self._capture(b)
+
+    def _inputs(self, b: int) -> tuple:
+        return (self.ids[:b], self.cu[: b + 1], self.seq_lens[:b], self.slots[:b], self.table[:b],
+                self.slot_mapping[:b], self.logit_indices[:b], self.rt.cache_tensors)
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        module = self.rt.modules["decode"]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the graph (allocations, autotuning)
+            module(*self._inputs(b))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = module(*self._inputs(b))
+        return graph, out
+
+    def run(self, seq_ids: list[int], tokens: list[int]) -> Tensor:
+        n = len(seq_ids)
+        b = next(x for x in self.buckets if x >= n)
+        batch = self.rt.table.make_batch(seq_ids, [1] * n, True, table_width=self.table.shape[1])
+        # Padding rows read and write only the scratch slot and block.
+        self.ids[:n].copy_(torch.tensor(tokens), non_blocking=True)
+        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        self.seq_lens[n:b].fill_(1)
+        self.slots[:n].copy_(batch.state_slots, non_blocking=True)
+        self.slots[n:b].fill_(SCRATCH_SLOT)
+        self.table[:n].copy_(batch.block_table, non_blocking=True)
+        self.table[n:b].fill_(SCRATCH_BLOCK)
+        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:b].fill_(SCRATCH_BLOCK * self.rt.table.shape.block_size)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n].clone()
+
+
+def load(
+    out_dir: str | Path,
+    rank: int | None = None,
+    world_size: int | None = None,
+    options: RuntimeOptions = RuntimeOptions(),
+) -> Runtime:
+    """Load an artifact on this process's rank (from torchrun's environment or arguments)."""
+    device = _device(options)
+    info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
+    if rank is None:
+        rank = init_distributed(artifact.info.tp, device)
+    return Runtime(artifact, rank, device, options)

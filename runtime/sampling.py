@@ -1,0 +1,45 @@
+"""Token sampling: greedy, temperature, top-k and top-p (nucleus), seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of ``logits`` [N, V] (fp32)."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)

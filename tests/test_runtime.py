@@ -1,0 +1,146 @@
+"""The compiled artifact through the runtime reproduces the reference model, at TP1 and TP2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3compile import runtime
+from k3compile.batch import CacheShape, KDALayerCache
+from k3compile.compiler import CompileOptions, optimize
+from k3compile.reference import ReferenceEngine, load_reference
+from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams
+from k3compile.runtime.sampling import sample
+from multirank import run_ranks
+
+PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 90, 11], [17], [300, 301, 302]]
+NEW_TOKENS = 16
+OPTIONS = RuntimeOptions(max_sequences=4, max_context=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs) -> Path:
+    return model_dirs("tiny", "mxfp4")
+
+
+@pytest.fixture(scope="module")
+def artifact_tp1(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("art") / "tiny-tp1"
+    optimize(model_dir, out, CompileOptions(tp=1, dtype="float32", validate=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model = load_reference(model_dir)
+    shape = CacheShape(num_slots=4, num_blocks=32, block_size=16)
+    _, logits = ReferenceEngine(model, shape).prefill(PROMPTS)
+    tokens = ReferenceEngine(model, shape).generate(PROMPTS, NEW_TOKENS)
+    return logits, tokens
+
+
+def test_artifact_reproduces_reference_at_tp1(artifact_tp1, reference):
+    ref_logits, ref_tokens = reference
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
+    ids, logits = rt.prefill(PROMPTS)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max().item())
+    for s in ids:
+        rt.release(s)
+    assert rt.generate(PROMPTS, NEW_TOKENS) == ref_tokens
+
+
+def _rank_main(rank: int, world: int, out: Path):
+    torch.set_num_threads(1)
+    rt = runtime.load(out, rank=rank, world_size=world, options=OPTIONS)
+    ids, logits = rt.prefill(PROMPTS)
+    for s in ids:
+        rt.release(s)
+    return logits, rt.generate(PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_artifact_reproduces_reference_at_tp2(model_dir, reference, tmp_path):
+    ref_logits, ref_tokens = reference
+    out = tmp_path / "tiny-tp2"
+    optimize(model_dir, out, CompileOptions(tp=2, dtype="float32"))
+    for logits, tokens in run_ranks(_rank_main, 2, out):
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max().item())
+        assert tokens == ref_tokens
+
+
+def test_decode_updates_caches_in_place_without_copies(artifact_tp1):
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
+    ids, logits = rt.prefill(PROMPTS)
+    ptrs = [t.data_ptr() for t in rt.cache_tensors]
+    before = [t.clone() for t in rt.cache_tensors]
+    rt.decode(ids, logits.argmax(-1).tolist())
+    assert [t.data_ptr() for t in rt.cache_tensors] == ptrs
+    assert sum(not torch.equal(a, b) for a, b in zip(before, rt.cache_tensors)) == len(before)  # all updated
+    # In the decode graph a cache input is only consumed by k3 ops (no aten copy, clone or
+    # copy-back), and one of them writes it in place.
+    program = rt.artifact.programs["decode"]
+    cache_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.arg.name.startswith("caches")]
+    assert len(cache_inputs) == len(rt.cache_tensors)
+    nodes = {n.name: n for n in program.graph.nodes}
+    for name in cache_inputs:
+        writes = 0
+        for user in nodes[name].users:
+            assert str(user.target).startswith("k3."), (name, user.target)
+            schema = user.target._schema
+            arg = next(a for a, v in zip(schema.arguments, user.args) if v is nodes[name])
+            writes += bool(arg.alias_info is not None and arg.alias_info.is_write)
+        assert writes == 1, name
+    assert len(program.graph_signature.output_specs) == 1  # logits only: no cache is returned
+
+
+def test_bad_requests_leave_other_sequences_untouched(artifact_tp1):
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
+    ids, _ = rt.prefill([[1, 2, 3]])
+    snapshot = [t.clone() for t in rt.cache_tensors]
+    with pytest.raises(RequestError, match="empty prompt"):
+        rt.prefill([[4], []])
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        rt.decode(ids, [rt.cfg.vocab_size])
+    with pytest.raises(RequestError, match="beyond capacity"):
+        rt.step(ids, [list(range(70))])
+    with pytest.raises(RequestError, match="longer than max_context"):
+        rt.prefill([list(range(65))])
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, rt.cache_tensors))
+    assert rt.table.sequences[ids[0]].length == 3 and len(rt.table.sequences) == 1
+
+
+def test_new_sequence_does_not_see_a_released_one(artifact_tp1):
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
+    first = rt.generate([[7, 8, 9]], 4)
+    rt.generate([[100, 200, 300, 400]], 4)  # reuses the slot and blocks
+    assert rt.generate([[7, 8, 9]], 4) == first
+
+
+def test_sampling():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample(logits, SamplingParams()).tolist() == [2, 0]
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), gen).tolist() == [2, 0]
+    assert sample(logits, SamplingParams(temperature=1.0, top_p=0.01), gen).tolist() == [2, 0]
+    # Temperature sampling follows the softmax; top-k 2 never leaves the two best tokens.
+    row = logits[:1].expand(20000, -1)
+    draws = sample(row, SamplingParams(temperature=1.0), torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.015, rtol=0)
+    topk = sample(row, SamplingParams(temperature=1.0, top_k=2), torch.Generator().manual_seed(2))
+    assert set(topk.tolist()) == {2, 3}
+    # top-p 0.9 over probs [0.03, 0.09, 0.64, 0.24]: keeps 2 and 3 (0.88 < 0.9) and 1.
+    topp = sample(row, SamplingParams(temperature=1.0, top_p=0.9), torch.Generator().manual_seed(3))
+    assert set(topp.tolist()) == {1, 2, 3}
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_seeded_generation_is_reproducible(artifact_tp1):
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
+    a = rt.generate(PROMPTS, 8, params)
+    assert a == rt.generate(PROMPTS, 8, params)
+    assert a != rt.generate(PROMPTS, 8, SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=8))
