@@ -5,23 +5,37 @@ Commands (run ``k3compile COMMAND --help`` for the options of each):
 * ``init-model``: write an HF-style model directory with seeded random weights.
 * ``presets``: list the built-in model configurations and their sizes.
 * ``generate``: greedy generation with the reference model on the CPU.
+* ``optimize``: compile a model directory into an artifact (capture, passes, write).
+* ``inspect``: verify an artifact and show how it was made and what each pass did.
+* ``run``: load an artifact with the runtime and generate tokens (``torchrun`` for tp > 1).
+
+The flow from a model to generated tokens::
+
+    k3compile init-model ./tiny-model --preset tiny
+    k3compile optimize ./tiny-model -o ./tiny.k3c --dtype float32
+    k3compile inspect ./tiny.k3c
+    k3compile run ./tiny.k3c --prompt "1 2 3"
 
 Errors a user can fix (a bad preset name, an invalid config.json, an existing output
-directory, a token id outside the vocabulary...) print one line on stderr and exit with
-status 2; no traceback.
+directory, a token id outside the vocabulary, an unknown pass, a tampered artifact...)
+print one line on stderr and exit with status 2; no traceback.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import os
 import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -40,10 +54,16 @@ app = typer.Typer(
     name="k3compile",
     help=(
         "k3compile: a compiler for serving the Kimi K3 model.\n\n"
+        "The flow: init-model (or your own checkpoint) -> optimize -> inspect -> run.\n\n"
         "Try it on a small model with random weights:\n"
         "  k3compile presets                                 [dim]# list configurations[/]\n"
         "  k3compile init-model ./tiny-model --preset tiny   [dim]# write a model dir[/]\n"
-        "  k3compile generate ./tiny-model --prompt \"1 2 3\"  [dim]# generate tokens[/]\n\n"
+        "  k3compile optimize ./tiny-model -o ./tiny.k3c     [dim]# compile an artifact[/]\n"
+        "  k3compile inspect ./tiny.k3c                      [dim]# what each pass did[/]\n"
+        "  k3compile run ./tiny.k3c --prompt \"1 2 3\"         [dim]# generate tokens[/]\n"
+        "  k3compile generate ./tiny-model --prompt \"1 2 3\"  [dim]# eager reference model[/]\n\n"
+        "An artifact compiled with --tp N runs on N processes: "
+        "torchrun --nproc-per-node N -m k3compile run OUT\n\n"
         "Run 'k3compile COMMAND --help' for the options of a command."
     ),
     no_args_is_help=True,
@@ -431,6 +451,777 @@ def generate(
     for i, (p, new) in enumerate(zip(prompts, out)):
         console.print(f"prompt {i} ({len(p)} tokens): {' '.join(map(str, p))}", soft_wrap=True)
         console.print(f"  new tokens: {' '.join(map(str, new))}", soft_wrap=True)
+    decode_steps = max_new_tokens - 1
+    total_prompt = sum(map(len, prompts))
+    timing = f"timing: load {load_s * 1e3:.0f} ms, prefill {prefill_s * 1e3:.1f} ms ({total_prompt} tokens)"
+    if decode_steps:
+        timing += f", decode {decode_s * 1e3 / decode_steps:.1f} ms/token ({decode_steps} steps, batch {len(prompts)})"
+    console.print(timing, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------
+# Compile, inspect and run artifacts
+# ---------------------------------------------------------------------------
+
+#: Model dtypes ``optimize --dtype`` accepts (those of ``k3compile.compiler.DTYPES``).
+COMPILE_DTYPES = ("bfloat16", "float32")
+
+
+def _target_names() -> tuple[str, ...]:
+    from k3compile.targets import TARGETS
+
+    return tuple(TARGETS)
+
+
+def _pass_names() -> tuple[str, ...]:
+    from k3compile.passes import ALL_PASSES
+
+    return tuple(ALL_PASSES)
+
+
+def _names(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated options, each possibly a comma-separated list: ('a', 'b,c') -> ('a', 'b', 'c')."""
+    out: list[str] = []
+    for v in values or ():
+        out += [n.strip() for n in v.split(",") if n.strip()]
+    return tuple(dict.fromkeys(out))
+
+
+def _choice(value: str, choices: tuple[str, ...], option: str, what: str) -> str:
+    if value not in choices:
+        raise UserError(f"{option}: unknown {what} {value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
+def _is_artifact_dir(path: Path) -> bool:
+    from k3compile.artifact import FORMAT_NAME, MANIFEST
+
+    try:
+        return json.loads((path / MANIFEST).read_bytes()).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _config_name(cfg: K3Config) -> str:
+    preset = next((name for name, c in PRESETS.items() if c == cfg), None)
+    return f"preset {preset}" if preset else "custom config"
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _fmt_stat(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.3g}"
+    return human_count(int(v)) if abs(v) >= 100_000 else str(int(v))
+
+
+def _fmt_validation(v: Any, full: bool = False) -> str:
+    """'1.2e-07 ok' from a summary's ``validation`` entry; '-' when not validated."""
+    if not isinstance(v, dict):
+        return "-"
+    err, tol = v.get("max_error"), v.get("tolerance")
+    err_s = f"{err:.1e}" if isinstance(err, (int, float)) else str(err)
+    verdict = "ok" if v.get("ok", True) else "FAIL"
+    if full:
+        tol_s = f"{tol:.1e}" if isinstance(tol, (int, float)) else str(tol)
+        return f"max error {err_s} (tolerance {tol_s}) {verdict}"
+    return f"{err_s} {verdict}"
+
+
+def _key_stats(stats: dict[str, Any], limit: int = 3) -> list[tuple[str, Any]]:
+    """The nonzero stats, the standard ones first (as the notebook summary table)."""
+    from k3compile.pipeline import STANDARD_STATS
+
+    items = [(k, v) for k, v in stats.items() if v not in (0, 0.0, None, False)]
+    items.sort(key=lambda kv: STANDARD_STATS.index(kv[0]) if kv[0] in STANDARD_STATS else len(STANDARD_STATS))
+    return items[:limit]
+
+
+def pass_table(summaries: list[Any], title: str | None = None, width: int | None = None) -> Table:
+    """A table of pass summaries (``PassRecord.summary()`` dicts, as stored in the manifest),
+    one row per pass and phase. The stats get their own column when ``width`` (default:
+    the console's) leaves room for it, else a dim line under the pass name."""
+    rows: list[tuple[str, list[str], str]] = []
+    for s in summaries:
+        if not isinstance(s, dict):
+            rows.append((str(s), ["?"] * 6, ""))
+            continue
+        seconds = s.get("seconds")
+        stats = s.get("stats") or {}
+        rows.append((
+            str(s.get("pass", s.get("name", "?"))),
+            [
+                str(s.get("phase", "?")),
+                "[yellow]yes[/]" if s.get("changed") else "no",
+                str(s.get("matches", "-")),
+                str(s.get("skipped", 0)),
+                escape(_fmt_validation(s.get("validation"))),
+                _fmt_seconds(seconds) if isinstance(seconds, (int, float)) else "-",
+            ],
+            ", ".join(f"{k}={_fmt_stat(v)}" for k, v in _key_stats(stats)),
+        ))
+
+    def build(stats_column: bool | None) -> Table:
+        """stats_column: True a column, False under the pass name, None left out."""
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        longest = max((len(name) for name, _, _ in rows), default=4)
+        table.add_column("pass", no_wrap=stats_column is not False, min_width=longest)
+        table.add_column("phase", no_wrap=True)
+        table.add_column("changed", no_wrap=True)
+        table.add_column("matches", justify="right", no_wrap=True)
+        table.add_column("skipped", justify="right", no_wrap=True)
+        table.add_column("max error", justify="right", no_wrap=True)
+        table.add_column("time", justify="right", no_wrap=True)
+        if stats_column:
+            table.add_column("stats", overflow="fold")
+        for name, cells, stats in rows:
+            first = f"[bold]{escape(name)}[/]"
+            if stats_column is False and stats:
+                first += f"\n[dim]  {escape(stats)}[/]"
+            table.add_row(first, *cells, *([escape(stats) or "-"] if stats_column else []))
+        return table
+
+    width = width or console.width
+    fixed = console.measure(build(None), options=console.options.update_width(10_000)).maximum
+    longest_stats = max((len(stats) for _, _, stats in rows), default=0)
+    return build(fixed + 3 + min(max(longest_stats, 5), 32) <= width)
+
+
+def _pass_totals(summaries: list[Any]) -> str:
+    dicts = [s for s in summaries if isinstance(s, dict)]
+    changed = sum(1 for s in dicts if s.get("changed"))
+    failed = sum(1 for s in dicts if isinstance(s.get("validation"), dict) and not s["validation"].get("ok", True))
+    validated = sum(1 for s in dicts if isinstance(s.get("validation"), dict))
+    seconds = sum(s.get("seconds", 0) for s in dicts if isinstance(s.get("seconds", 0), (int, float)))
+    text = f"{len(summaries)} pass run(s) (one per pass and phase), {changed} changed the graph"
+    if validated:
+        text += f", {validated} validated" + (f" ({failed} FAILED)" if failed else "")
+    return text + f", {_fmt_seconds(seconds)} in passes"
+
+
+_PASS_TABLE_NOTE = (
+    "[dim]max error: translation validation of the pass (largest output difference / largest magnitude); "
+    "'-': not validated (the pass changed nothing, or compiled without --validate)[/]"
+)
+
+
+def _print_passes(summaries: list[Any], title: str) -> None:
+    if not summaries:
+        console.print(f"{title}: none ran (the target has none, or all were disabled)", soft_wrap=True)
+        return
+    console.print(pass_table(summaries, title=title))
+    console.print(_pass_totals(summaries), soft_wrap=True)
+    console.print(_PASS_TABLE_NOTE, soft_wrap=True)
+
+
+def _capture_text(stats: Any) -> str:
+    seconds = getattr(stats, "seconds", {}) or {}
+    nodes = getattr(stats, "nodes", {}) or {}
+    parts = [f"{phase} {_fmt_seconds(seconds[phase])} ({nodes.get(phase, '?')} nodes)" for phase in seconds]
+    peak = getattr(stats, "peak_rss_bytes", 0)
+    return ", ".join(parts) + (f"; peak memory {human_bytes(peak)}" if peak else "")
+
+
+class _Steps:
+    """The steps of ``optimize`` as they happen: a spinner on the current step (on a
+    terminal) and a line with its duration for every finished one."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.status = console.status("starting", spinner="dots")
+        self.current: str | None = None
+        self.started = 0.0
+
+    def __enter__(self) -> _Steps:
+        self.status.start()
+        return self
+
+    def __call__(self, label: str) -> None:
+        self._finish()
+        self.current, self.started = label, time.perf_counter()
+        self.status.update(f"[bold]{escape(label)}[/] ...")
+
+    def _finish(self) -> None:
+        if self.current is not None:
+            seconds = time.perf_counter() - self.started
+            self.console.print(f"  [green]✓[/] {escape(self.current)}  [dim]{_fmt_seconds(seconds)}[/]", soft_wrap=True)
+            self.current = None
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self._finish()
+        self.status.stop()
+
+
+@app.command("optimize")
+def optimize_command(
+    model_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="A model directory (config.json + safetensors), e.g. written by init-model. Example: ./tiny-model",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", "-o",
+            help="Artifact directory to write (must not exist, unless --overwrite). Example: -o ./tiny.k3c",
+            show_default=False,
+        ),
+    ],
+    tp: Annotated[
+        int,
+        typer.Option(help="Tensor-parallel degree: the artifact runs on this many processes (GPUs). Example: --tp 8"),
+    ] = 1,
+    target: Annotated[
+        str,
+        typer.Option(
+            help="Hardware to compile for: cpu, h200, mi355x or mi300x (picks the default passes). Example: --target h200",
+        ),
+    ] = "cpu",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Weight and activation dtype: bfloat16 or float32 (KDA states stay fp32). Example: --dtype float32",
+        ),
+    ] = "bfloat16",
+    block_size: Annotated[
+        int,
+        typer.Option(help="Tokens per MLA cache block (fixed per artifact). Example: --block-size 16"),
+    ] = 16,
+    enable: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Run a pass the target does not run by default; repeat, or separate names with commas. "
+            "Example: --enable remove_noops",
+            show_default=False,
+        ),
+    ] = None,
+    disable: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Skip a pass of the target's default list; repeat, or separate names with commas. "
+            "Example: --disable remove_noops",
+            show_default=False,
+        ),
+    ] = None,
+    validate: Annotated[
+        bool,
+        typer.Option(
+            "--validate",
+            help="After every pass that changes a graph, run the graph before and after on the same random "
+            "inputs and fail if the outputs differ (needs --tp 1; meant for tiny models). Example: --validate",
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace OUT if it is an existing artifact. Example: --overwrite"),
+    ] = False,
+) -> None:
+    """Compile a model directory into an artifact that 'k3compile run' loads.
+
+    Steps: capture the model as one graph per phase (decode, prefill) on the meta device (no weights are loaded), check the checkpoint's tensor names and shapes, run the target's passes over each graph, and write OUT (graphs, sharding plan per rank, manifest). The weights stay in MODEL_DIR: the artifact refers to it, so keep it in place. Nothing is written if anything fails.
+
+    Passes: the target's default list, changed with --enable/--disable (a wrong name lists the known ones); 'k3compile inspect OUT' shows what each pass did.
+
+    Example: k3compile optimize ./tiny-model -o ./tiny.k3c --dtype float32 --validate
+    """
+    from k3compile.artifact import ArtifactError
+    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.pipeline import PassError
+    from k3compile.sharding import ShardingError
+
+    step: list[str] = []
+    try:
+        if tp < 1:
+            raise UserError(f"--tp must be at least 1, got {tp}")
+        if block_size < 1:
+            raise UserError(f"--block-size must be at least 1, got {block_size}")
+        _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
+        _choice(target, _target_names(), "--target", "target")
+        enabled, disabled = _names(enable), _names(disable)
+        known = _pass_names()
+        for option, names in (("--enable", enabled), ("--disable", disabled)):
+            for name in names:
+                if name not in known:
+                    raise UserError(f"{option}: unknown pass {name!r}; known passes: {', '.join(known)}")
+        both = [n for n in enabled if n in disabled]
+        if both:
+            raise UserError(f"pass {both[0]!r} is both enabled and disabled")
+        if validate and tp != 1:
+            raise UserError("--validate runs the graphs in this process and needs --tp 1 (use a tiny model)")
+        if not model_dir.is_dir():
+            raise UserError(f"{model_dir} is not a directory (create one with 'k3compile init-model')")
+        if out.exists() or out.is_symlink():
+            if not overwrite:
+                raise UserError(f"{out} already exists; pass --overwrite to replace it, or choose a new directory")
+            if not out.is_dir() or out.is_symlink() or not (_is_artifact_dir(out) or not any(out.iterdir())):
+                raise UserError(f"refusing to overwrite {out}: it is not a k3compile artifact")
+        cfg = load_config(model_dir)
+        from k3compile.model.k3 import check_divisible
+
+        try:
+            check_divisible(cfg, tp)
+        except ValueError as e:
+            raise UserError(f"--tp {tp}: {e} (the model's heads and widths split evenly over the ranks)") from None
+
+        from k3compile.compiler import CompileOptions, optimize
+
+        try:
+            options = CompileOptions(
+                tp=tp, target=target, dtype=dtype, block_size=block_size,
+                enable=enabled, disable=disabled, validate=validate,
+            )
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+        console.print(
+            f"[bold]Compiling[/] {escape(str(model_dir))} ({_config_name(cfg)}, {cfg.num_hidden_layers} layers) "
+            f"for target {target}: tp {tp}, {dtype}, block size {block_size}"
+            + (", validating every pass" if validate else ""),
+            soft_wrap=True,
+        )
+        start = time.perf_counter()
+
+        def on_step(label: str) -> None:
+            step[:] = [label]
+            steps(label)
+
+        with _Steps(console) as steps:
+            result = optimize(model_dir, out, options, overwrite=overwrite, on_step=on_step)
+        elapsed = time.perf_counter() - start
+    except UserError as e:
+        _fail(str(e))
+    except (ConfigError, CheckpointError, ArtifactError, ShardingError, PassError) as e:
+        _fail(f"{step[0]}: {e}" if step else str(e))
+
+    summaries = [r.summary() for r in result.pipeline.records]
+    console.print()
+    _print_passes(summaries, "Passes")
+    console.print()
+    files = [p for p in result.out_dir.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    console.print(f"[bold]capture[/]   {_capture_text(result.captured.stats)}", soft_wrap=True)
+    console.print(
+        f"[bold]artifact[/]  {escape(str(result.out_dir))}  ({len(files)} files, {human_bytes(size)}; "
+        f"weights stay in {escape(str(model_dir.resolve()))})",
+        soft_wrap=True,
+    )
+    console.print(f"[bold]total[/]     {_fmt_seconds(elapsed)}", soft_wrap=True)
+    run_cmd = (
+        f"torchrun --nproc-per-node {tp} -m k3compile run {out}" if tp > 1 else f"k3compile run {out}"
+    )
+    console.print(f"Next: k3compile inspect {escape(str(out))}   |   {escape(run_cmd)} --prompt \"1 2 3\"", soft_wrap=True)
+
+
+def _read_info(out: Path, check_checkpoint: Any = "warn", world_size: int | None = None):
+    """Verify an artifact; checkpoint warnings go to stderr as one line each."""
+    from k3compile.artifact import read_artifact_info
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = read_artifact_info(out, world_size=world_size, check_checkpoint=check_checkpoint)
+    for w in caught:
+        err_console.print(f"[bold yellow]warning:[/] {escape(str(w.message))}", soft_wrap=True)
+    return info
+
+
+def _summary_matches(s: Any, pass_name: str | None, phase: str | None) -> bool:
+    if not isinstance(s, dict):
+        return pass_name is None and phase is None
+    return (pass_name is None or s.get("pass") == pass_name) and (phase is None or s.get("phase") == phase)
+
+
+def _layer_nodes(out: Path, phases: list[str], layer: int) -> dict[str, Any]:
+    """Phase -> snapshot of the compiled program's nodes of ``layer``."""
+    from k3compile.artifact import load_artifact
+    from k3compile.records import snapshot
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # already reported by _read_info
+        artifact = load_artifact(out, check_checkpoint=False)
+    return {
+        phase: snapshot(artifact.programs[phase].graph_module, artifact.programs[phase]).filter(layer=layer)
+        for phase in phases
+    }
+
+
+def _print_pass_details(s: dict[str, Any], layer_names: set[str] | None) -> None:
+    console.print(
+        f"[bold]{escape(str(s.get('pass')))}[/] {escape('[' + str(s.get('phase')) + ']')}: "
+        f"{'changed' if s.get('changed') else 'unchanged'}, {s.get('matches', 0)} match(es), "
+        f"nodes {s.get('nodes_before', '?')} -> {s.get('nodes_after', '?')}, "
+        f"{_fmt_seconds(s['seconds']) if isinstance(s.get('seconds'), (int, float)) else '?'}",
+        soft_wrap=True,
+    )
+    stats = s.get("stats") or {}
+    if stats:
+        console.print("  stats:      " + escape(", ".join(f"{k}={_fmt_stat(v)}" for k, v in stats.items())), soft_wrap=True)
+    delta = s.get("op_count_delta") or {}
+    if delta:
+        console.print("  ops:        " + escape(", ".join(f"{k} {d:+d}" for k, d in delta.items())), soft_wrap=True)
+    if s.get("validation") is not None:
+        console.print("  validation: " + escape(_fmt_validation(s.get("validation"), full=True)), soft_wrap=True)
+    reasons = [r for r in s.get("skipped_reasons") or [] if isinstance(r, dict)]
+    skipped = s.get("skipped", len(reasons))
+    if skipped:
+        shown = reasons
+        note = ""
+        if layer_names is not None:
+            shown = [r for r in reasons if r.get("node") in layer_names]
+            note = f", {len(shown)} of the {len(reasons)} stored in the manifest are in this layer"
+        elif len(reasons) < skipped:
+            note = f", the first {len(reasons)} stored in the manifest"
+        console.print(f"  skipped {skipped} candidate(s){note}:", soft_wrap=True)
+        for r in shown:
+            console.print(f"    {escape(str(r.get('node')))}: {escape(str(r.get('reason')))}", soft_wrap=True)
+    if isinstance(s.get("diff"), str) and s["diff"]:
+        console.print(escape(s["diff"]), soft_wrap=True, markup=False)
+
+
+@app.command("inspect")
+def inspect_command(
+    out: Annotated[
+        Path,
+        typer.Argument(help="An artifact directory written by 'k3compile optimize'. Example: ./tiny.k3c", show_default=False),
+    ],
+    pass_name: Annotated[
+        Optional[str],
+        typer.Option(
+            "--pass",
+            help="Show only this pass, with its details (all stats, op count changes, skipped candidates). "
+            "Example: --pass remove_noops",
+            show_default=False,
+        ),
+    ] = None,
+    phase: Annotated[
+        Optional[str],
+        typer.Option(help="Show only this phase's graph: decode or prefill. Example: --phase decode", show_default=False),
+    ] = None,
+    diff: Annotated[
+        bool,
+        typer.Option(
+            "--diff",
+            help="Print what the manifest stores about each pass's changes (details per pass and phase; "
+            "graph diffs are not stored: the output says how to get them). Example: --diff",
+        ),
+    ] = False,
+    layer: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Also show layer N of the compiled graphs (its op counts; skipped candidates in it). Example: --layer 0",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Verify an artifact and show how it was compiled and what each pass did.
+
+    Checks every file's size and sha256 against the manifest (a modified artifact is refused), then prints the versions, model, parallelism, target, dtype, capture statistics and a table of the passes (one row per pass and phase). A changed or missing source checkpoint is a warning here (and an error for 'k3compile run').
+
+    Example: k3compile inspect ./tiny.k3c --pass remove_noops --phase decode --diff
+    """
+    from k3compile.artifact import ArtifactError
+    from k3compile.targets import TARGETS
+
+    try:
+        info = _read_info(out)
+        phases = list(info.phases)
+        if phase is not None:
+            if phase not in info.phases:
+                raise UserError(f"--phase: unknown phase {phase!r}; this artifact has {', '.join(info.phases)}")
+            phases = [phase]
+        summaries = list(info.passes)
+        if pass_name is not None:
+            ran = list(dict.fromkeys(str(s.get("pass")) for s in summaries if isinstance(s, dict)))
+            if pass_name not in ran:
+                where = ", ".join(ran) if ran else "none"
+                raise UserError(f"--pass: pass {pass_name!r} did not run for this artifact; passes that ran: {where}")
+        if layer is not None and not 0 <= layer < info.config.num_hidden_layers:
+            raise UserError(f"--layer: {layer} is outside [0, {info.config.num_hidden_layers}) (the model's layers)")
+        selected = [s for s in summaries if _summary_matches(s, pass_name, phase)]
+        layer_snaps = _layer_nodes(out, phases, layer) if layer is not None else None
+    except UserError as e:
+        _fail(str(e))
+    except ArtifactError as e:
+        _fail(str(e))
+
+    cfg = info.config
+    dtype = str(info.dtype).removeprefix("torch.")
+    target = TARGETS.get(info.target)
+    stats = info.capture_stats
+    params = count_parameters(cfg)
+    console.print(f"[bold green]Artifact[/] {escape(str(out))}  (verified: every file matches the manifest)", soft_wrap=True)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    table.add_row("format", f"{escape(info.format)} version {info.format_version}")
+    table.add_row("written by", f"k3compile {escape(info.k3compile_version)}, torch {escape(info.torch_version)}")
+    table.add_row(
+        "model",
+        f"{_config_name(cfg)}: {human_count(params)} parameters, {cfg.num_hidden_layers} layers, "
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+    )
+    table.add_row("layers", layer_kinds_summary(cfg))
+    table.add_row("checkpoint", f"{escape(info.model_dir)} (weights are read from here at load)")
+    run_with = f"torchrun --nproc-per-node {info.tp} -m k3compile run {escape(str(out))}"
+    table.add_row("tp", f"{info.tp}" + (f" (run with: {run_with})" if info.tp > 1 else ""))
+    table.add_row(
+        "target",
+        escape(info.target)
+        + (
+            " (unknown to this k3compile)" if target is None
+            else "" if target.name == target.device == target.arch
+            else f" ({target.device}, {target.arch})"
+        ),
+    )
+    table.add_row("dtype", dtype)
+    table.add_row("block size", f"{info.block_size} tokens per MLA cache block")
+    table.add_row("phases", ", ".join(info.phases))
+    table.add_row("capture", escape(_capture_text(stats)))
+    console.print(table)
+    console.print()
+
+    scope = " ".join(p for p in (f"pass {pass_name}" if pass_name else "", f"phase {phase}" if phase else "") if p)
+    _print_passes(selected, "Passes" + (f" ({scope})" if scope else ""))
+
+    if layer_snaps is not None:
+        kind = cfg.layer_kinds[layer].upper()
+        console.print()
+        console.print(
+            f"[bold]Layer {layer}[/] ({kind}) in the compiled graphs "
+            "[dim](the pass numbers above are for whole graphs: the manifest does not split them by layer)[/]",
+            soft_wrap=True,
+        )
+        for ph, snap in layer_snaps.items():
+            ops = ", ".join(f"{op.removesuffix('.default')} x{n}" for op, n in snap.op_counts.items())
+            console.print(f"  {ph}: {len(snap)} nodes; {escape(ops) or 'no ops'}", soft_wrap=True)
+
+    if diff or pass_name is not None:
+        layer_names = None
+        if layer_snaps is not None:
+            layer_names = {line.name for snap in layer_snaps.values() for line in snap}
+        console.print()
+        for s in selected:
+            if isinstance(s, dict):
+                _print_pass_details(s, layer_names)
+    if diff and not any(isinstance(s, dict) and s.get("diff") for s in selected):
+        first = next((s for s in selected if isinstance(s, dict)), {})
+        example_pass = first.get("pass", "remove_noops")
+        example_phase = first.get("phase", "decode")
+        filt = f".filter(layer={layer})" if layer is not None else ""
+        console.print()
+        console.print(
+            "The manifest stores a summary of each pass, not its graph diff. To see the diff, compile again "
+            "in Python (a notebook shows each record as a side-by-side diff):",
+            soft_wrap=True,
+        )
+        console.print(
+            "  import tempfile\n"
+            "  from k3compile.compiler import CompileOptions, optimize\n"
+            f"  result = optimize({info.model_dir!r}, tempfile.mkdtemp(), CompileOptions(tp={info.tp}, "
+            f"target={info.target!r}, dtype={dtype!r}, block_size={info.block_size}), overwrite=True)\n"
+            f"  rec = next(r for r in result.pipeline.records if r.pass_name == {example_pass!r} "
+            f"and r.phase == {example_phase!r})\n"
+            f"  print(rec{filt}.to_text())   # or display(rec{filt}) in Jupyter",
+            markup=False,
+            soft_wrap=True,
+            highlight=False,
+        )
+
+
+def _resolve_device(device: str | None, distributed: bool) -> str | None:
+    if device is None:
+        return None
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device: unknown device {device!r}; choose cpu or cuda (or cuda:N)")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: torch sees no CUDA/ROCm GPU here; use --device cpu")
+        if device == "cuda" and distributed:
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+@app.command("run")
+def run_command(
+    out: Annotated[
+        Path,
+        typer.Argument(help="An artifact directory written by 'k3compile optimize'. Example: ./tiny.k3c", show_default=False),
+    ],
+    prompt: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--prompt",
+            help="Token ids separated by spaces; repeat for several prompts, generated as one batch. "
+            f"Default: \"{DEFAULT_PROMPT}\". Example: --prompt \"1 2 3\" --prompt \"4 5\"",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A text file with one prompt (token ids separated by spaces) per line. Example: --prompt-file prompts.txt",
+            show_default=False,
+        ),
+    ] = None,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(help="Tokens to generate for every prompt. Example: --max-new-tokens 4"),
+    ] = 16,
+    temperature: Annotated[
+        float,
+        typer.Option(help="Sampling temperature; 0 is greedy (always the most likely token). Example: --temperature 0.7"),
+    ] = 0.0,
+    top_k: Annotated[
+        int,
+        typer.Option(help="Sample only among the k most likely tokens; 0 keeps all. Example: --top-k 50"),
+    ] = 0,
+    top_p: Annotated[
+        float,
+        typer.Option(help="Sample only among the most likely tokens that hold this much probability; 1 keeps all. Example: --top-p 0.9"),
+    ] = 1.0,
+    seed: Annotated[
+        int,
+        typer.Option(help="Random seed of sampling: the same seed gives the same tokens. Example: --seed 7"),
+    ] = 0,
+    max_context: Annotated[
+        int,
+        typer.Option(help="Cache capacity per sequence in tokens (prompt + new tokens). Example: --max-context 4096"),
+    ] = 4096,
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            help="cpu or cuda (default: cuda when a GPU is visible, else cpu; under torchrun each rank takes its "
+            "local GPU). Example: --device cpu",
+            show_default=False,
+        ),
+    ] = None,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="On a GPU, replay decode steps as CUDA/HIP graphs. Example: --no-cuda-graphs",
+        ),
+    ] = True,
+) -> None:
+    """Load a compiled artifact with the runtime and generate tokens.
+
+    Reads this rank's weights from the checkpoint the artifact was compiled from, prefills all prompts in one step, then decodes them together, one token per step. Prompts are token ids (there is no tokenizer). Prints each prompt's new tokens and the timing: load, prefill, and decode per token (the first steps include one-time warm-up).
+
+    An artifact compiled with --tp N runs on N processes, started by torchrun: torchrun --nproc-per-node N -m k3compile run OUT (only rank 0 prints).
+
+    Example: k3compile run ./tiny.k3c --prompt "1 2 3" --prompt "7 8" --max-new-tokens 4
+    """
+    import torch
+    import torch.distributed as dist
+
+    from k3compile.artifact import ArtifactError
+    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load, sample
+
+    distributed = os.environ.get("WORLD_SIZE") is not None
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    try:
+        try:
+            world = int(os.environ["WORLD_SIZE"]) if distributed else 1
+        except ValueError:
+            raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        if max_context < 1:
+            raise UserError(f"--max-context must be at least 1, got {max_context}")
+        try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        except ValueError as e:
+            raise UserError(f"--{str(e).replace('_', '-')}") from None
+        info = _read_info(out, check_checkpoint=False)
+        if not distributed and info.tp > 1:
+            raise UserError(
+                f"{out} was compiled for tp={info.tp}: start it on {info.tp} processes with "
+                f"'torchrun --nproc-per-node {info.tp} -m k3compile run {out}'"
+            )
+        if distributed and world != info.tp:
+            raise UserError(
+                f"{out} was compiled for tp={info.tp} but torchrun started {world} process(es); "
+                f"use 'torchrun --nproc-per-node {info.tp} -m k3compile run {out}'"
+            )
+        prompts = read_prompts(prompt, prompt_file, info.config.vocab_size)
+        for i, p in enumerate(prompts):
+            need = len(p) + max_new_tokens - 1
+            if need > max_context:
+                raise UserError(
+                    f"prompt {i} has {len(p)} tokens: with --max-new-tokens {max_new_tokens} it needs a context of "
+                    f"{need} tokens, more than --max-context {max_context}"
+                )
+        options = RuntimeOptions(
+            max_sequences=len(prompts),
+            max_context=max_context,
+            device=_resolve_device(device, distributed),
+            cuda_graphs=None if cuda_graphs else False,
+        )
+
+        start = time.perf_counter()
+        import torch._dynamo  # noqa: F401  (torch's custom ops import it on first call: count it as load time)
+
+        if distributed:
+            rt = load(out, options=options)  # rank and world size from torchrun's environment
+        else:
+            rt = load(out, rank=0, world_size=1, options=options)
+        load_s = time.perf_counter() - start
+
+        def sync() -> None:
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+
+        # The loop of Runtime.generate, timed step by step.
+        gen = torch.Generator().manual_seed(seed)
+        start = time.perf_counter()
+        ids, logits = rt.prefill(prompts)
+        sync()
+        prefill_s = time.perf_counter() - start
+        new: list[list[int]] = [[] for _ in prompts]
+        start = time.perf_counter()
+        try:
+            for step in range(max_new_tokens):
+                for o, t in zip(new, sample(logits, sampling, gen).tolist()):
+                    o.append(t)
+                if step + 1 < max_new_tokens:
+                    logits = rt.decode(ids, [o[-1] for o in new])
+            sync()
+        finally:
+            for s in ids:
+                rt.release(s)
+        decode_s = time.perf_counter() - start
+    except (UserError, ArtifactError, CheckpointError, ConfigError, RequestError) as e:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if rank == 0:
+            _fail(str(e))
+        raise typer.Exit(USAGE_ERROR)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank != 0:
+        return
+
+    cfg = info.config
+    how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
+    console.print(
+        f"[bold]{escape(str(out))}[/]: {_config_name(cfg)}, tp {info.tp}, {str(info.dtype).removeprefix('torch.')}, "
+        f"target {escape(info.target)}, on {rt.device}"
+        + (" with CUDA graphs" if rt.graphs is not None else "")
+        + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}",
+        soft_wrap=True,
+    )
+    for i, (p, toks) in enumerate(zip(prompts, new)):
+        console.print(f"prompt {i} ({len(p)} tokens): {' '.join(map(str, p))}", soft_wrap=True)
+        console.print(f"  new tokens: {' '.join(map(str, toks))}", soft_wrap=True)
     decode_steps = max_new_tokens - 1
     total_prompt = sum(map(len, prompts))
     timing = f"timing: load {load_s * 1e3:.0f} ms, prefill {prefill_s * 1e3:.1f} ms ({total_prompt} tokens)"

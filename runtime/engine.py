@@ -53,11 +53,12 @@ class RuntimeOptions:
 
 
 def _device(options: RuntimeOptions) -> torch.device:
-    if options.device:
-        return torch.device(options.device)
-    if torch.cuda.is_available():
+    """The requested device; a GPU without an index is this process's local rank's."""
+    kind = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(kind)
+    if device.type == "cuda" and device.index is None:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    return device
 
 
 def init_distributed(world_size: int, device: torch.device) -> int:
