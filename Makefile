@@ -12,11 +12,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# (1) The main job on the embedded default: generate a tiny K3 locally and run it.
+# (1) The main job on the embedded default: generate a tiny K3 locally, compile it
+#     (every pass translation-validated), show the pass report, run it.
 demo: $(VENV)/.installed
-	rm -rf out/tiny-k3
+	rm -rf out/tiny-k3 out/tiny-k3.k3c
 	$(BIN)/k3compile init-model --preset tiny --experts mxfp4 out/tiny-k3
-	$(BIN)/k3compile generate out/tiny-k3 --prompt "1 2 3 4 5 6 7 8" --prompt "42 7" --max-new-tokens 16
+	$(BIN)/k3compile optimize out/tiny-k3 -o out/tiny-k3.k3c --dtype float32 --validate
+	$(BIN)/k3compile inspect out/tiny-k3.k3c
+	$(BIN)/k3compile run out/tiny-k3.k3c --prompt "1 2 3 4 5 6 7 8" --prompt "42 7" --max-new-tokens 16
 
 # (2) The test suite (what CI runs).
 test: $(VENV)/.installed
