@@ -80,6 +80,8 @@ FORMAT_NAME = "k3compile-artifact"
 FORMAT_VERSION = 1
 SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
+#: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
+MANIFEST_SEAL = "manifest.sha256"
 
 #: Model dtypes an artifact may name (manifest string <-> torch dtype); never getattr.
 DTYPES: dict[str, torch.dtype] = {
@@ -179,6 +181,17 @@ def _write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_manifest_bytes(root: Path, data: bytes) -> None:
+    _write_bytes(root / MANIFEST, data)
+    _write_bytes(root / MANIFEST_SEAL, (hashlib.sha256(data).hexdigest() + "\n").encode())
+
+
+def write_manifest(root: str | Path, manifest: dict[str, Any]) -> None:
+    """Rewrite an artifact's manifest and its checksum (for deliberate edits, e.g. after
+    moving the source checkpoint; loading verifies the result like any manifest)."""
+    _write_manifest_bytes(Path(root), (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -491,7 +504,7 @@ def save_artifact(
             raise ArtifactError(
                 f"manifest.json: field 'passes' (or 'capture_stats') is not JSON-serialisable: {e}"
             ) from e
-        _write_bytes(tmp / MANIFEST, (text + "\n").encode())
+        _write_manifest_bytes(tmp, (text + "\n").encode())
         for d in (tmp / "code", tmp / "sharding", tmp):
             _fsync_dir(d)
         _install(tmp, out, overwrite)
@@ -627,6 +640,7 @@ def _verify_files(root: Path, info: ArtifactInfo, files: dict[str, dict[str, Any
         )
     present = _list_files(root)
     present.pop(MANIFEST, None)
+    present.pop(MANIFEST_SEAL, None)
     missing, extra = sorted(set(files) - set(present)), sorted(set(present) - set(files))
     if missing:
         raise ArtifactError(f"{root / missing[0]}: missing (listed in {MANIFEST})")
@@ -678,8 +692,15 @@ def read_artifact_info(
     manifest = root / MANIFEST
     if not manifest.is_file():
         raise ArtifactError(f"{manifest}: missing manifest (not a k3compile artifact, or an incomplete one)")
+    manifest_bytes = manifest.read_bytes()
+    seal = root / MANIFEST_SEAL
+    if not seal.is_file():
+        raise ArtifactError(f"{seal}: missing (the manifest's checksum)")
+    expected = seal.read_text().strip()
+    if hashlib.sha256(manifest_bytes).hexdigest() != expected:
+        raise ArtifactError(f"{manifest}: sha256 differs from {MANIFEST_SEAL} (the manifest was modified)")
     try:
-        raw = json.loads(manifest.read_bytes())
+        raw = json.loads(manifest_bytes)
     except (ValueError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{manifest}: not valid JSON ({e})") from e
     info, files = _parse_manifest(raw)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from k3compile.artifact import (
+    write_manifest,
     FORMAT_NAME,
     FORMAT_VERSION,
     ArtifactError,
@@ -80,7 +81,7 @@ def _rehash(root: Path, name: str) -> None:
     """Update the manifest entry of ``name`` (so only the check under test can fail)."""
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["files"][name] = {"sha256": _sha(root / name), "size": (root / name).stat().st_size}
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(root, manifest)
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -103,6 +104,7 @@ def test_layout_and_manifest(saved, captured, model_dir):
         "code/prefill.py",
         "decode.pt2",
         "manifest.json",
+        "manifest.sha256",
         "prefill.pt2",
         "sharding/rank0.json",
     ]
@@ -115,7 +117,7 @@ def test_layout_and_manifest(saved, captured, model_dir):
     assert (m["dtype"], m["block_size"], m["parallel"], m["target"]) == ("float32", 16, {"tp": 1, "dcp": 1}, "cpu")
     assert m["passes"] == PASSES and m["phases"] == ["decode", "prefill"]
     assert m["capture_stats"]["nodes"] == captured.stats.nodes
-    assert set(m["files"]) == set(files) - {"manifest.json"}
+    assert set(m["files"]) == set(files) - {"manifest.json", "manifest.sha256"}
     for name, entry in m["files"].items():
         assert entry == {"sha256": _sha(saved / name), "size": (saved / name).stat().st_size}
     code = (saved / "code" / "decode.py").read_text()
@@ -247,8 +249,19 @@ def test_truncated_code_dump(copy):
 def test_bad_manifest_field(copy, field, value, message):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest[field] = value
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(copy, manifest)
     with pytest.raises(ArtifactError, match=message):
+        load_artifact(copy)
+
+
+def test_edited_manifest_is_rejected(copy):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["config"]["hidden_size"] = 128
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"manifest\.json: sha256 differs from manifest\.sha256"):
+        load_artifact(copy)
+    (copy / "manifest.sha256").unlink()
+    with pytest.raises(ArtifactError, match=r"manifest\.sha256: missing"):
         load_artifact(copy)
 
 
@@ -279,7 +292,7 @@ def test_unexpected_file(copy):
 def test_path_outside_artifact(copy):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["files"]["../x"] = {"sha256": "0", "size": 0}
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(copy, manifest)
     with pytest.raises(ArtifactError, match=r"invalid path '\.\./x'"):
         load_artifact(copy)
 

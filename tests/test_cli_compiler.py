@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from k3compile.artifact import MANIFEST
+from k3compile.artifact import MANIFEST, write_manifest
 from k3compile.batch import CacheShape
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.cli import app
@@ -277,7 +277,7 @@ def test_moved_checkpoint_warns_in_inspect_fails_in_run(compiled, tmp_path):
     shutil.copytree(out, moved)
     manifest = json.loads((moved / MANIFEST).read_text())
     manifest["model_dir"] = str(tmp_path / "gone")
-    (moved / MANIFEST).write_text(json.dumps(manifest))
+    write_manifest(moved, manifest)
     result = invoke("inspect", moved)
     assert result.exit_code == 0, result.output
     assert result.stderr.startswith("warning: ") and "missing checkpoint index" in result.stderr
