@@ -4,11 +4,13 @@ Layout of ``OUT/``::
 
     manifest.json            what this is and how it was made (below), and the sha256 and
                              size of every other file
+    manifest.sha256          the sha256 of manifest.json (an edited manifest is rejected)
     decode.pt2               one torch.export program per phase (``torch.export.save``);
     prefill.pt2              parameters were captured on ``meta``: no weights inside
     sharding/rank0.json      per rank: for every parameter, the checkpoint tensor(s), their
     sharding/rank1.json      dtype and full shape, the split dim and the [start, stop)
-    ...                      range this rank reads, whether they may be mxfp4
+    ...                      range this rank reads, whether they may be mxfp4; and the
+                             per-rank constants (e.g. the rank's first vocab id)
     code/decode.py           a readable dump of each program (for humans: never executed)
     code/prefill.py
 
