@@ -1170,10 +1170,15 @@ def run_command(
         start = time.perf_counter()
         import torch._dynamo  # noqa: F401  (torch's custom ops import it on first call: count it as load time)
 
-        if distributed:
-            rt = load(out, options=options)  # rank and world size from torchrun's environment
-        else:
-            rt = load(out, rank=0, world_size=1, options=options)
+        from rich.progress import Progress
+
+        with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
+            task = bar.add_task("loading weights", total=None)
+            progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+            if distributed:  # rank and world size from torchrun's environment
+                rt = load(out, options=options, on_progress=progress)
+            else:
+                rt = load(out, rank=0, world_size=1, options=options, on_progress=progress)
         load_s = time.perf_counter() - start
 
         def sync() -> None:

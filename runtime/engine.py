@@ -17,6 +17,7 @@ Prefill runs eagerly (its packed shapes vary).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,29 +76,40 @@ def init_distributed(world_size: int, device: torch.device) -> int:
 
 
 def load_rank_weights(
-    artifact: LoadedArtifact, program: ExportedProgram, plan: ParallelPlan, device: torch.device
+    artifact: LoadedArtifact,
+    program: ExportedProgram,
+    plan: ParallelPlan,
+    device: torch.device,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, Tensor], LoadReport]:
     """Every program parameter (this rank's slice, read from the source checkpoint) and
     every per-rank constant buffer."""
     report = LoadReport()
     weights: dict[str, Tensor] = {name: c.tensor(plan, device) for name, c in artifact.constants.items()}
     prefix = artifact.config.checkpoint_prefix
+    names = [s.target for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
     with CheckpointReader(artifact.info.model_dir, prefix) as reader:
-        for spec_in in program.graph_signature.input_specs:
-            if spec_in.kind != InputKind.PARAMETER:
-                continue
-            name = spec_in.target
+        for i, name in enumerate(names):
             meta = program.state_dict[name]
             param = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             fill_parameter(reader, name, artifact.specs[name], plan, param, report)
             weights[name] = param
+            if on_progress:
+                on_progress(i + 1, len(names))
     return weights, report
 
 
 class Runtime:
     """Prefill / decode / generate over an artifact's programs on one rank."""
 
-    def __init__(self, artifact: LoadedArtifact, rank: int, device: torch.device, options: RuntimeOptions):
+    def __init__(
+        self,
+        artifact: LoadedArtifact,
+        rank: int,
+        device: torch.device,
+        options: RuntimeOptions,
+        on_progress: Callable[[int, int], None] | None = None,
+    ):
         self.artifact = artifact
         self.cfg = artifact.config
         self.rank = rank
@@ -113,7 +125,9 @@ class Runtime:
         self.caches = allocate_caches(self.cfg, self.plan, shape, artifact.info.dtype, device)
         self.cache_tensors = flatten_caches(self.caches)
         self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1)
-        self.weights, self.load_report = load_rank_weights(artifact, artifact.programs["decode"], self.plan, device)
+        self.weights, self.load_report = load_rank_weights(
+            artifact, artifact.programs["decode"], self.plan, device, on_progress
+        )
         self.modules = {}
         for phase, program in artifact.programs.items():
             module = program.module()
@@ -251,11 +265,14 @@ def load(
     rank: int | None = None,
     world_size: int | None = None,
     options: RuntimeOptions = RuntimeOptions(),
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Runtime:
-    """Load an artifact on this process's rank (from torchrun's environment or arguments)."""
+    """Load an artifact on this process's rank (from torchrun's environment or arguments).
+
+    ``on_progress(done, total)`` is called after each parameter is read."""
     device = _device(options)
     info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
     if rank is None:
         rank = init_distributed(artifact.info.tp, device)
-    return Runtime(artifact, rank, device, options)
+    return Runtime(artifact, rank, device, options, on_progress)
