@@ -49,6 +49,9 @@ class CompileResult:
     pipeline: PipelineResult
     phases_seconds: dict[str, float] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        return f"CompileResult({self.out_dir}, {self.pipeline!r})"
+
     def _repr_html_(self) -> str:
         return self.pipeline._repr_html_()
 

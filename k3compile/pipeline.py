@@ -187,6 +187,9 @@ class PipelineResult:
 
     records: list[Any]  # k3compile.records.PassRecord
 
+    def __repr__(self) -> str:
+        return f"PipelineResult({len(self.records)} records: {', '.join(map(repr, self.records))})"
+
     def _repr_html_(self) -> str:
         from k3compile.records import pipeline_summary_html
 

@@ -312,7 +312,7 @@ def _fmt_placement(p: Any) -> str:
 # ---------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(repr=False)
 class PassRecord:
     """One pass on one phase: the graph before and after, what the pass said it did,
     translation validation (``report``: ``max_error``, ``tolerance``, ``ok``; or None)
@@ -327,6 +327,15 @@ class PassRecord:
     seconds: float = 0.0
     #: Set by :meth:`filter`: which part of the graph this record shows.
     scope: str = ""
+
+    def __repr__(self) -> str:
+        err = "-" if self.report is None else f"{self.report.max_error:.1e}"
+        scope = f", {self.scope}" if self.scope else ""
+        return (
+            f"PassRecord({self.pass_name}, {self.phase}{scope}: changed={self.result.changed}, "
+            f"matches={self.result.matches}, nodes {len(self.before.lines)} -> {len(self.after.lines)}, "
+            f"max_error={err})"
+        )
 
     # -- views -----------------------------------------------------------------
 
