@@ -352,6 +352,25 @@ def presets() -> None:
     console.print("Use one: k3compile init-model ./tiny-model --preset tiny", soft_wrap=True)
 
 
+#: Options shared by the commands that generate tokens (generate, run).
+PromptOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--prompt",
+        help="Token ids separated by spaces; repeat for several prompts, generated as one batch. "
+        f"Default: \"{DEFAULT_PROMPT}\". Example: --prompt \"1 2 3\" --prompt \"4 5\"",
+        show_default=False,
+    ),
+]
+PromptFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        help="A text file with one prompt (token ids separated by spaces) per line. Example: --prompt-file prompts.txt",
+        show_default=False,
+    ),
+]
+
+
 class DType(str, enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -363,22 +382,8 @@ def generate(
         Path,
         typer.Argument(help="A model directory (config.json + safetensors). Example: ./tiny-model", show_default=False),
     ],
-    prompt: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--prompt",
-            help="Token ids separated by spaces; repeat for several prompts, generated as one batch. "
-            f"Default: \"{DEFAULT_PROMPT}\". Example: --prompt \"1 2 3\" --prompt \"4 5\"",
-            show_default=False,
-        ),
-    ] = None,
-    prompt_file: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="A text file with one prompt (token ids separated by spaces) per line. Example: --prompt-file prompts.txt",
-            show_default=False,
-        ),
-    ] = None,
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
     max_new_tokens: Annotated[
         int,
         typer.Option(min=1, help="Tokens to generate for every prompt. Example: --max-new-tokens 4"),
@@ -407,6 +412,7 @@ def generate(
     from k3compile.batch import CacheShape
     from k3compile.checkpoint.loader import CheckpointError
     from k3compile.reference import ReferenceEngine, RequestError, load_reference
+    from k3compile.sequences import generate_tokens
 
     try:
         if not model_dir.is_dir():
@@ -425,21 +431,8 @@ def generate(
         engine = ReferenceEngine(model, CacheShape(num_slots=len(prompts), num_blocks=num_blocks, block_size=block_size))
         load_s = time.perf_counter() - start
 
-        # The loop of ReferenceEngine.generate, timed step by step.
-        start = time.perf_counter()
-        ids, logits = engine.prefill(prompts)
-        prefill_s = time.perf_counter() - start
-        out: list[list[int]] = [[] for _ in prompts]
-        start = time.perf_counter()
-        for step in range(max_new_tokens):
-            next_tokens = logits.argmax(-1).tolist()
-            for o, t in zip(out, next_tokens):
-                o.append(t)
-            if step + 1 < max_new_tokens:
-                logits = engine.decode(ids, next_tokens)
-        decode_s = time.perf_counter() - start
-        for s in ids:
-            engine.release(s)
+        result = generate_tokens(engine, prompts, max_new_tokens, lambda logits: logits.argmax(-1).tolist())
+        out, prefill_s, decode_s = result.tokens, result.prefill_s, result.decode_s
     except (UserError, ConfigError, CheckpointError, RequestError) as e:
         _fail(str(e))
 
@@ -1055,22 +1048,8 @@ def run_command(
         Path,
         typer.Argument(help="An artifact directory written by 'k3compile optimize'. Example: ./tiny.k3c", show_default=False),
     ],
-    prompt: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--prompt",
-            help="Token ids separated by spaces; repeat for several prompts, generated as one batch. "
-            f"Default: \"{DEFAULT_PROMPT}\". Example: --prompt \"1 2 3\" --prompt \"4 5\"",
-            show_default=False,
-        ),
-    ] = None,
-    prompt_file: Annotated[
-        Optional[Path],
-        typer.Option(
-            help="A text file with one prompt (token ids separated by spaces) per line. Example: --prompt-file prompts.txt",
-            show_default=False,
-        ),
-    ] = None,
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
     max_new_tokens: Annotated[
         int,
         typer.Option(help="Tokens to generate for every prompt. Example: --max-new-tokens 4"),
@@ -1124,7 +1103,7 @@ def run_command(
 
     from k3compile.artifact import ArtifactError
     from k3compile.checkpoint.loader import CheckpointError
-    from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load, sample
+    from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load
 
     distributed = os.environ.get("WORLD_SIZE") is not None
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
@@ -1181,29 +1160,8 @@ def run_command(
                 rt = load(out, rank=0, world_size=1, options=options, on_progress=progress)
         load_s = time.perf_counter() - start
 
-        def sync() -> None:
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)
-
-        # The loop of Runtime.generate, timed step by step.
-        gen = torch.Generator().manual_seed(seed)
-        start = time.perf_counter()
-        ids, logits = rt.prefill(prompts)
-        sync()
-        prefill_s = time.perf_counter() - start
-        new: list[list[int]] = [[] for _ in prompts]
-        start = time.perf_counter()
-        try:
-            for step in range(max_new_tokens):
-                for o, t in zip(new, sample(logits, sampling, gen).tolist()):
-                    o.append(t)
-                if step + 1 < max_new_tokens:
-                    logits = rt.decode(ids, [o[-1] for o in new])
-            sync()
-        finally:
-            for s in ids:
-                rt.release(s)
-        decode_s = time.perf_counter() - start
+        result = rt.generate_timed(prompts, max_new_tokens, sampling)
+        new, prefill_s, decode_s = result.tokens, result.prefill_s, result.decode_s
     except (UserError, ArtifactError, CheckpointError, ConfigError, RequestError) as e:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -20,7 +20,7 @@ from k3compile.checkpoint.loader import load_weights
 from k3compile.config import K3Config, load_config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
-from k3compile.sequences import RequestError, Sequence, SequenceTable
+from k3compile.sequences import RequestError, Sequence, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan, fill_rank_constants
 
 __all__ = ["ReferenceEngine", "RequestError", "load_reference", "zero_state_slot"]
@@ -88,17 +88,7 @@ class ReferenceEngine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy generation; returns the new tokens of each prompt."""
-        ids, logits = self.prefill(prompts)
-        out = [[] for _ in prompts]
-        for step in range(max_new_tokens):
-            next_tokens = logits.argmax(-1).tolist()
-            for o, t in zip(out, next_tokens):
-                o.append(t)
-            if step + 1 < max_new_tokens:
-                logits = self.decode(ids, next_tokens)
-        for s in ids:
-            self.release(s)
-        return out
+        return generate_tokens(self, prompts, max_new_tokens, lambda logits: logits.argmax(-1).tolist()).tokens
 
 
 def load_reference(

@@ -9,6 +9,7 @@ and leaves all sequences and caches as they were.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -130,3 +131,48 @@ class SequenceTable:
             logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=device),
             decode=decode,
         )
+
+
+@dataclass
+class Generation:
+    """New tokens per prompt, and where the time went (synchronised wall clock)."""
+
+    tokens: list[list[int]]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+
+def generate_tokens(
+    engine: object,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    pick: Callable[[torch.Tensor], list[int]],
+    sync: Callable[[], None] = lambda: None,
+) -> Generation:
+    """Prefill ``prompts`` together, then decode them together until each has
+    ``max_new_tokens`` new tokens; ``pick`` turns logits [N, V] into tokens.
+
+    ``engine`` has ``prefill(prompts) -> (ids, logits)``, ``decode(ids, tokens)`` and
+    ``release(id)`` (the reference engine and the runtime). Sequences are released at the
+    end, also on error."""
+    import time
+
+    start = time.perf_counter()
+    ids, logits = engine.prefill(prompts)
+    sync()
+    result = Generation([[] for _ in prompts], prefill_s=time.perf_counter() - start)
+    start = time.perf_counter()
+    try:
+        for step in range(max_new_tokens):
+            for out, token in zip(result.tokens, pick(logits)):
+                out.append(token)
+            if step + 1 < max_new_tokens:
+                logits = engine.decode(ids, [out[-1] for out in result.tokens])
+                result.decode_steps += 1
+        sync()
+    finally:
+        for s in ids:
+            engine.release(s)
+    result.decode_s = time.perf_counter() - start
+    return result

@@ -33,7 +33,7 @@ from k3compile.capture import flatten_caches
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
 from k3compile.reference import zero_state_slot
 from k3compile.runtime.sampling import SamplingParams, sample
-from k3compile.sequences import RequestError, SequenceTable
+from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan
 
 __all__ = ["Runtime", "RuntimeOptions", "load", "RequestError"]
@@ -188,20 +188,15 @@ class Runtime:
         self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
     ) -> list[list[int]]:
         """New tokens for each prompt (all ranks sample identically: same seed, same logits)."""
+        return self.generate_timed(prompts, max_new_tokens, sampling).tokens
+
+    def generate_timed(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
+    ) -> Generation:
+        """:meth:`generate` with the prefill and decode time (device-synchronised)."""
         gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
-        ids, logits = self.prefill(prompts)
-        out: list[list[int]] = [[] for _ in prompts]
-        try:
-            for step in range(max_new_tokens):
-                next_tokens = sample(logits, sampling, gen).tolist()
-                for o, t in zip(out, next_tokens):
-                    o.append(t)
-                if step + 1 < max_new_tokens:
-                    logits = self.decode(ids, next_tokens)
-        finally:
-            for s in ids:
-                self.release(s)
-        return out
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        return generate_tokens(self, prompts, max_new_tokens, lambda logits: sample(logits, sampling, gen).tolist(), sync)
 
 
 class _DecodeGraphs:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3compile import runtime
-from k3compile.batch import CacheShape, KDALayerCache
+from k3compile.batch import CacheShape
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams
