@@ -9,6 +9,7 @@ for all phases on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import time
@@ -25,9 +26,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--preset", default="k3")
+    parser.add_argument("--layers", type=int, default=None, help="truncate to N layers (MLA every 4th), for scaling")
+    parser.add_argument("--phases", default="decode,prefill")
     args = parser.parse_args()
+    cfg = PRESETS[args.preset]
+    if args.layers:
+        full = tuple(range(4, args.layers + 1, 4))
+        kda = tuple(i for i in range(1, args.layers + 1) if i not in full)
+        lin = dataclasses.replace(cfg.linear_attn, full_attn_layers=full, kda_layers=kda)
+        cfg = cfg.replace(num_hidden_layers=args.layers, linear_attn=lin)
     start = time.perf_counter()
-    captured = capture(PRESETS[args.preset], ParallelPlan(args.tp, 0), torch.bfloat16)
+    captured = capture(cfg, ParallelPlan(args.tp, 0), torch.bfloat16, phases=tuple(args.phases.split(",")))
     total = time.perf_counter() - start
     t = time.perf_counter()
     for program in captured.programs.values():
@@ -35,6 +44,7 @@ def main() -> None:
     placements = time.perf_counter() - t
     result = {
         "preset": args.preset,
+        "layers": cfg.num_hidden_layers,
         "tp": args.tp,
         "seconds": {k: round(v, 1) for k, v in captured.stats.seconds.items()},
         "capture_total_s": round(total, 1),
