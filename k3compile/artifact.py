@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -238,15 +239,19 @@ def _list_files(root: Path) -> dict[str, Path]:
 # ---------------------------------------------------------------------------
 
 
-def _save_program(program: ExportedProgram, path: Path) -> None:
+def save_program(program: ExportedProgram, f: Path | io.BytesIO) -> None:
     """``torch.export.save`` without the example inputs (the only pickle it writes for
     programs captured on meta: ``data/sample_inputs/model.pt``)."""
     saved = program._example_inputs
     program._example_inputs = None
     try:
-        torch.export.save(program, path)
+        torch.export.save(program, f)
     finally:
         program._example_inputs = saved
+
+
+def _save_program(program: ExportedProgram, path: Path) -> None:
+    save_program(program, path)
     _fsync_file(path)
 
 

@@ -202,14 +202,16 @@ def run_pipeline(
     plan: ParallelPlan,
     specs: dict[str, ShardSpec],
     options: PipelineOptions,
-    validator: Callable[[str, GraphModule, GraphModule, PassContext], Any] | None = None,
+    validator: Callable[[str, ExportedProgram, dict[str, ShardSpec], ExportedProgram, PassContext], Any]
+    | None = None,
     on_pass: Callable[[str, str], None] | None = None,
 ) -> PipelineResult:
     """Run the passes over every phase's program in place and record each step.
 
-    ``validator(phase, before, after, ctx)`` runs translation validation and returns a
-    report with ``max_error`` and ``ok`` (see :mod:`k3compile.validation`); a failing
-    report raises :class:`PassError`."""
+    ``validator(phase, before, before_specs, after, ctx)`` runs translation validation on
+    the program (and parameter specs) before the pass and the program after it, and
+    returns a report with ``max_error`` and ``ok`` (see :mod:`k3compile.validation`); a
+    failing report raises :class:`PassError`."""
     from k3compile.placement import propagate_placements
     from k3compile.records import PassRecord, snapshot
     from k3compile.targets import get_target
@@ -223,7 +225,7 @@ def run_pipeline(
             gm = program.graph_module
             ctx = PassContext(config, plan, target, phase, program, specs)
             before = snapshot(gm)
-            reference = copy.deepcopy(gm) if (options.validate and validator) else None
+            reference = copy.deepcopy((program, specs)) if (options.validate and validator) else None
             start = time.perf_counter()
             result = graph_pass.run(gm, ctx)
             lint_graph(gm)
@@ -233,7 +235,7 @@ def run_pipeline(
             seconds = time.perf_counter() - start
             report = None
             if reference is not None and result.changed:
-                report = validator(phase, reference, gm, ctx)
+                report = validator(phase, reference[0], reference[1], program, ctx)
                 if not report.ok:
                     raise PassError(
                         f"pass {graph_pass.name} changed the {phase} graph's numerics: max error "

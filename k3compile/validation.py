@@ -8,12 +8,15 @@ shard specs the loader uses). Both graphs run on copies of the same inputs; the 
 outputs and every cache tensor the step updated in place are compared. The error is
 the largest absolute difference over the largest reference magnitude of each tensor.
 
-Validation runs in-process for TP1 programs at a tiny config (the tests' setting).
+TP1 programs are validated in-process; TP > 1 programs on real gloo ranks in spawned
+processes, each with its slice of the weights, so rewrites across ranks (a resharded
+parameter, a moved collective) are checked as they will run. Meant for tiny configs.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import random
 from dataclasses import dataclass, field
 
@@ -125,8 +128,56 @@ def _error(a: Tensor, ref: Tensor) -> float:
     return diff / max(scale, 1e-30)
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What every rank needs to validate one pass on one phase."""
+
+    config: K3Config
+    phase: str
+    seed: int
+    block_size: int
+    constants: dict[str, ShardOffset]
+    before_specs: dict[str, ShardSpec]
+    after_specs: dict[str, ShardSpec]
+
+
+def _compare(job: _Job, plan: ParallelPlan, before: ExportedProgram, after: ExportedProgram) -> dict[str, float]:
+    """Errors of ``after`` against ``before`` on this rank's slice of one random step."""
+    dtype = next(iter(before.state_dict.values())).dtype
+    inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed)
+    runs = []
+    for program, specs in ((before, job.before_specs), (after, job.after_specs)):
+        params = random_parameters(job.config, program, specs, plan, job.seed, job.constants)
+        ins = copy.deepcopy(inputs)
+        with torch.no_grad():
+            runs.append((run_graph(program.graph_module, program, params, ins), ins[-1]))
+    (out_b, caches_b), (out_a, caches_a) = runs
+    errors = {f"output{i}": _error(a, b) for i, (a, b) in enumerate(zip(out_a, out_b))}
+    errors.update({f"cache{i}": _error(a, b) for i, (a, b) in enumerate(zip(caches_a, caches_b))})
+    return errors
+
+
+def _program_bytes(program: ExportedProgram) -> bytes:
+    from k3compile.artifact import save_program
+
+    buf = io.BytesIO()
+    save_program(program, buf)
+    return buf.getvalue()
+
+
+def _validate_rank(rank: int, world: int, job: _Job, before: bytes, after: bytes) -> dict[str, float]:
+    """One gloo rank of a multi-rank validation (run by ``run_ranks``)."""
+    torch.set_num_threads(1)
+    load = lambda b: torch.export.load(io.BytesIO(b))  # noqa: E731
+    return _compare(job, ParallelPlan(world, rank), load(before), load(after))
+
+
 class TranslationValidator:
-    """Callable for ``run_pipeline``: compares the graph before and after a pass."""
+    """Callable for ``run_pipeline``: compares the program before and after a pass.
+
+    TP1 programs run in this process. TP > 1 programs run on ``tp`` real gloo ranks in
+    spawned processes (the collectives in the graphs execute), each rank with its slice
+    of the same random weights; the error is the worst over ranks."""
 
     def __init__(
         self, rtol: float = 1e-4, seed: int = 0, block_size: int = 16, constants: dict[str, ShardOffset] | None = None
@@ -136,21 +187,21 @@ class TranslationValidator:
         self.seed = seed
         self.block_size = block_size
 
-    def __call__(self, phase: str, before: GraphModule, after: GraphModule, ctx) -> ValidationReport:
-        if ctx.plan.tp != 1:
-            raise NotImplementedError("in-process translation validation needs a TP1 program")
-        program: ExportedProgram = ctx.program
-        dtype = next(iter(program.state_dict.values())).dtype
-        params = random_parameters(ctx.config, program, ctx.specs, ctx.plan, self.seed, self.constants)
-        inputs = random_step_inputs(ctx.config, ctx.plan, phase, dtype, self.block_size, self.seed)
-        ins_before, ins_after = copy.deepcopy(inputs), copy.deepcopy(inputs)
-        with torch.no_grad():
-            out_before = run_graph(before, program, params, ins_before)
-            out_after = run_graph(after, program, params, ins_after)
-        errors: dict[str, float] = {}
-        for i, (a, b) in enumerate(zip(out_after, out_before)):
-            errors[f"output{i}"] = _error(a, b)
-        for i, (a, b) in enumerate(zip(ins_after[-1], ins_before[-1])):
-            errors[f"cache{i}"] = _error(a, b)
+    def __call__(
+        self,
+        phase: str,
+        before: ExportedProgram,
+        before_specs: dict[str, ShardSpec],
+        after: ExportedProgram,
+        ctx,
+    ) -> ValidationReport:
+        job = _Job(ctx.config, phase, self.seed, self.block_size, self.constants, before_specs, dict(ctx.specs))
+        if ctx.plan.tp == 1:
+            errors = _compare(job, ctx.plan, before, after)
+        else:
+            from k3compile.distributed import run_ranks
+
+            per_rank = run_ranks(_validate_rank, ctx.plan.tp, job, _program_bytes(before), _program_bytes(after))
+            errors = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
         worst = max(errors.values()) if errors else 0.0
         return ValidationReport(worst, self.rtol, worst <= self.rtol, errors)

@@ -78,11 +78,11 @@ def test_validation_catches_a_wrong_pass(captured, monkeypatch):
 
 def test_validator_measures_the_error_of_a_wrong_pass(captured):
     program = captured.programs["decode"]
-    before = copy.deepcopy(program.graph_module)
+    before = copy.deepcopy(program)
     ctx = PassContext(captured.config, captured.plan, get_target("cpu"), "decode", program, captured.specs)
     ScaleLogits().run(program.graph_module, ctx)
     program.graph_module.recompile()
-    report = TranslationValidator(constants=captured.constants)("decode", before, program.graph_module, ctx)
+    report = TranslationValidator(constants=captured.constants)("decode", before, captured.specs, program, ctx)
     assert not report.ok and report.errors["output0"] == pytest.approx(0.01 / 1.01, rel=0.02)
 
 
@@ -132,3 +132,24 @@ def test_shape_check_rejects_a_broken_graph(captured, monkeypatch):
     with pytest.raises(PassError, match="shape propagation failed"):
         run_pipeline(captured.programs, captured.config, captured.plan, captured.specs,
                      PipelineOptions(enable=("bad_matmul",), disable=("remove_noops",)))
+
+
+@pytest.mark.slow
+def test_validation_runs_across_ranks_at_tp2(monkeypatch):
+    """At TP2 the graphs run on two gloo ranks: an exact pass validates to zero error and
+    a wrong one is caught."""
+    import k3compile.passes as passes
+
+    tp2 = capture(PRESETS["tiny"], ParallelPlan(tp=2, rank=0), torch.float32, phases=("decode",))
+    validator = TranslationValidator(constants=tp2.constants)
+    good = run_pipeline(copy.deepcopy(tp2.programs), tp2.config, tp2.plan, dict(tp2.specs),
+                        PipelineOptions(validate=True), validator=validator)
+    (record,) = good.records
+    assert record.result.changed and record.report.max_error == 0.0
+    assert set(record.report.errors) >= {"output0", "cache0"}
+
+    monkeypatch.setitem(passes.ALL_PASSES, ScaleLogits.name, ScaleLogits)
+    with pytest.raises(PassError, match="scale_logits changed the decode graph's numerics"):
+        run_pipeline(tp2.programs, tp2.config, tp2.plan, dict(tp2.specs),
+                     PipelineOptions(enable=("scale_logits",), disable=("remove_noops",), validate=True),
+                     validator=validator)

@@ -13,7 +13,7 @@ from k3compile.compiler import CompileOptions, optimize
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams
 from k3compile.runtime.sampling import sample
-from multirank import run_ranks
+from k3compile.distributed import run_ranks
 
 PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 90, 11], [17], [300, 301, 302]]
 NEW_TOKENS = 16

@@ -11,7 +11,7 @@ from k3compile.batch import CacheShape
 from k3compile.distributed import world_tp_group
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.sharding import ParallelPlan
-from multirank import run_ranks
+from k3compile.distributed import run_ranks
 
 PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 90, 11], [17], [300, 301, 302]]
 NEW_TOKENS = 16
