@@ -89,6 +89,31 @@ class GraphPass(ABC):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult: ...
 
 
+def reshard_parameter(ctx: PassContext, name: str, spec: ShardSpec) -> torch.fx.Node:
+    """Give parameter ``name`` a new shard spec: this rank now holds ``spec``'s slice.
+
+    Updates the shared specs (so the loader reads the new slice), the program's state
+    dict entry and its placeholder's fake value (the new local shape). Returns the
+    placeholder. A pass calls this in every phase it rewrites; the call is idempotent."""
+    program = ctx.program
+    placeholder_name = next(
+        (s.arg.name for s in program.graph_signature.input_specs if s.target == name), None
+    )
+    if placeholder_name is None:
+        raise PassError(f"{name} is not a parameter of the {ctx.phase} program")
+    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == placeholder_name)
+    old = program.state_dict[name]
+    shape = spec.local_shape(ctx.plan)
+    ctx.specs[name] = spec
+    program.state_dict[name] = torch.nn.Parameter(
+        torch.empty(shape, dtype=old.dtype, device=old.device), requires_grad=False
+    )
+    val = node.meta["val"]
+    with torch._guards.detect_fake_mode([val]):
+        node.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+    return node
+
+
 # ---------------------------------------------------------------------------
 # After-pass checks
 # ---------------------------------------------------------------------------
@@ -218,14 +243,18 @@ def run_pipeline(
 
     target = get_target(options.target)
     records = []
+    validating = options.validate and validator is not None
     for graph_pass in resolve_passes(target, options):
+        # The specs as the pass found them: a pass that reshards a parameter does so in
+        # every phase, so later phases' "before" programs still match these.
+        specs_before = copy.deepcopy(specs) if validating else None
         for phase, program in programs.items():
             if on_pass:
                 on_pass(graph_pass.name, phase)
             gm = program.graph_module
             ctx = PassContext(config, plan, target, phase, program, specs)
             before = snapshot(gm)
-            reference = copy.deepcopy((program, specs)) if (options.validate and validator) else None
+            reference = copy.deepcopy(program) if validating else None
             start = time.perf_counter()
             result = graph_pass.run(gm, ctx)
             lint_graph(gm)
@@ -235,7 +264,7 @@ def run_pipeline(
             seconds = time.perf_counter() - start
             report = None
             if reference is not None and result.changed:
-                report = validator(phase, reference[0], reference[1], program, ctx)
+                report = validator(phase, reference, specs_before, program, ctx)
                 if not report.ok:
                     raise PassError(
                         f"pass {graph_pass.name} changed the {phase} graph's numerics: max error "
