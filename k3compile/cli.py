@@ -457,7 +457,7 @@ def generate(
 # ---------------------------------------------------------------------------
 
 #: Model dtypes ``optimize --dtype`` accepts (those of ``k3compile.compiler.DTYPES``).
-COMPILE_DTYPES = ("bfloat16", "float32")
+COMPILE_DTYPES = ("bfloat16", "float32")  # keys of k3compile.compiler.DTYPES (imported lazily)
 
 
 def _target_names() -> tuple[str, ...]:

@@ -22,7 +22,8 @@ from torch import nn
 
 CheckpointDType = Literal["bf16", "f32"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32}
+#: The torch dtype of each checkpoint storage dtype.
+CHECKPOINT_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 class ShardingError(ValueError):

@@ -28,11 +28,10 @@ from safetensors.torch import save_file
 
 from k3compile.checkpoint.mxfp4 import pack_mxfp4
 from k3compile.config import K3Config, config_to_hf_dict
-from k3compile.sharding import ParallelPlan, ShardSpec, shard_specs
+from k3compile.sharding import CHECKPOINT_TORCH_DTYPES, ParallelPlan, ShardSpec, shard_specs
 
 ExpertFormat = Literal["bf16", "mxfp4"]
 
-_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
@@ -143,7 +142,7 @@ def _write(cfg: K3Config, out: Path, options: GenerateOptions) -> None:
             packed, scale = pack_mxfp4(value)
             tensors = {f"{prefix}{base}.weight_packed": packed, f"{prefix}{base}.weight_scale": scale}
         else:
-            tensors = {f"{prefix}{name}": value.to(_DTYPES[spec.dtype]).contiguous()}
+            tensors = {f"{prefix}{name}": value.to(CHECKPOINT_TORCH_DTYPES[spec.dtype]).contiguous()}
         for key, t in tensors.items():
             nbytes = t.numel() * t.element_size()
             if pending and pending_bytes + nbytes > options.shard_bytes:
