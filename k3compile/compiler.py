@@ -96,7 +96,7 @@ def optimize(
     )
     result = run_pipeline(
         captured.programs, cfg, plan, captured.specs, pipeline_options, validator,
-        on_pass=lambda name, phase: say(f"pass {name} ({phase})"),
+        on_pass=lambda name, phase: say(f"pass {name} ({phase})"), constants=captured.constants,
     )
     say("write artifact")
     out = save_artifact(

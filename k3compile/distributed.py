@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,9 +101,20 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank that died without reporting (killed, crashed in the interpreter)
+                # would otherwise leave its peers blocked in a collective until the timeout.
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a result")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} gave no result in {timeout:.0f} s")
+                continue
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=True)

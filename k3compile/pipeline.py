@@ -28,7 +28,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from k3compile.config import K3Config
-from k3compile.sharding import ParallelPlan, ShardSpec
+from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
 from k3compile.targets import Target
 
 #: Stats every pass may report (counts per rank per step of the phase it ran on).
@@ -47,12 +47,27 @@ class Skipped:
     reason: str
 
 
+@dataclass(frozen=True)
+class Rewrite:
+    """One candidate a pass rewrote: where, what it did, and its own stats (e.g. per layer)."""
+
+    node: str
+    detail: str
+    stats: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class PassResult:
     changed: bool
     matches: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     skipped: list[Skipped] = field(default_factory=list)
+    rewrites: list[Rewrite] = field(default_factory=list)
+
+    def add_stats(self, stats: dict[str, float]) -> None:
+        """Accumulate per-rewrite stats into the pass totals."""
+        for key, value in stats.items():
+            self.stats[key] = self.stats.get(key, 0) + value
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,8 @@ class PassContext:
     #: Parameter name -> shard spec, shared by all phases: a pass that reshards a
     #: parameter updates it here (and must do the same in every phase).
     specs: dict[str, ShardSpec]
+    #: Per-rank constant buffers by name, shared by all phases (:func:`add_rank_constant`).
+    constants: dict[str, ShardOffset] = field(default_factory=dict)
 
 
 class GraphPass(ABC):
@@ -111,6 +128,40 @@ def reshard_parameter(ctx: PassContext, name: str, spec: ShardSpec) -> torch.fx.
     val = node.meta["val"]
     with torch._guards.detect_fake_mode([val]):
         node.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+    return node
+
+
+def add_rank_constant(ctx: PassContext, name: str, offset: ShardOffset) -> torch.fx.Node:
+    """A per-rank constant buffer ``name`` (this rank's ``offset`` value) as a graph input.
+
+    Programs are shared by all ranks, so a rank-dependent number (where this rank's block
+    starts) must be an input filled per rank at load time, never a baked-in constant. The
+    buffer joins the program's signature after the existing buffers, its state dict, and
+    the shared ``ctx.constants`` (which the artifact writes per rank and the validator and
+    runtime fill). Idempotent per program: a second call returns the same placeholder."""
+    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+    program = ctx.program
+    if ctx.constants.get(name, offset) != offset:
+        raise PassError(f"rank constant {name} already exists with a different offset")
+    existing = next((s.arg.name for s in program.graph_signature.input_specs if s.target == name), None)
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    if existing is not None:
+        return next(n for n in placeholders if n.name == existing)
+    specs = program.graph_signature.input_specs
+    lifted = (InputKind.PARAMETER, InputKind.BUFFER)
+    position = sum(1 for s in specs if s.kind in lifted)  # after every parameter and buffer
+    if any(s.kind in lifted for s in specs[position:]):
+        raise PassError("program inputs are not ordered parameters, buffers, user inputs")
+    value = offset.tensor(ctx.plan)
+    with program.graph.inserting_before(placeholders[position]):
+        node = program.graph.placeholder("b_" + name.replace(".", "_"))
+    val = placeholders[0].meta["val"]
+    with torch._guards.detect_fake_mode([val]):
+        node.meta["val"] = torch.empty((), dtype=value.dtype, device=val.device)
+    specs.insert(position, InputSpec(InputKind.BUFFER, TensorArgument(node.name), name, persistent=True))
+    program.state_dict[name] = value
+    ctx.constants[name] = offset
     return node
 
 
@@ -230,19 +281,22 @@ def run_pipeline(
     validator: Callable[[str, ExportedProgram, dict[str, ShardSpec], ExportedProgram, PassContext], Any]
     | None = None,
     on_pass: Callable[[str, str], None] | None = None,
+    constants: dict[str, ShardOffset] | None = None,
 ) -> PipelineResult:
     """Run the passes over every phase's program in place and record each step.
 
     ``validator(phase, before, before_specs, after, ctx)`` runs translation validation on
     the program (and parameter specs) before the pass and the program after it, and
     returns a report with ``max_error`` and ``ok`` (see :mod:`k3compile.validation`); a
-    failing report raises :class:`PassError`."""
+    failing report raises :class:`PassError`. ``constants`` (the per-rank constant buffers,
+    shared by all phases) is updated in place by passes that add one."""
     from k3compile.placement import propagate_placements
     from k3compile.records import PassRecord, snapshot
     from k3compile.targets import get_target
 
     target = get_target(options.target)
     records = []
+    constants = constants if constants is not None else {}
     validating = options.validate and validator is not None
     for graph_pass in resolve_passes(target, options):
         # The specs as the pass found them: a pass that reshards a parameter does so in
@@ -252,7 +306,7 @@ def run_pipeline(
             if on_pass:
                 on_pass(graph_pass.name, phase)
             gm = program.graph_module
-            ctx = PassContext(config, plan, target, phase, program, specs)
+            ctx = PassContext(config, plan, target, phase, program, specs, constants)
             before = snapshot(gm)
             reference = copy.deepcopy(program) if validating else None
             start = time.perf_counter()

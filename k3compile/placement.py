@@ -82,6 +82,8 @@ and its input placements; nothing is defaulted silently, and an op with no rule 
                           ``Shard(dim)`` and the rest R, giving ``out`` (a dim, a
                           placement such as ``Partial()``, or a tuple per output).
   ``replicated()``        every tensor arg must be R (``mla_cache_write``).
+  ``shard_into_partial(acc, block, dim)``  ``acc`` P plus ``block`` S(dim) written at the
+                          rank's block (zeros elsewhere) -> P (``add_rank_block``).
 
   Each takes ``caches=`` (args that are rank-local cache state, see above) and a cost
   (``flops_per_element`` of the rule's first listed arg, or a ``cost`` function).
@@ -154,6 +156,7 @@ __all__ = [
     "register_op_rules",
     "replicated",
     "rowwise",
+    "shard_into_partial",
     "split",
 ]
 
@@ -458,6 +461,28 @@ def replicated(*, caches: Sequence[str] = (), cost: Callable[[CostCall], Cost] |
 
     return OpRule("replicated", propagate, caches=tuple(caches), cache_placements={c: R for c in caches},
                   cost=cost, description="replicated only")
+
+
+def shard_into_partial(acc: str, block: str, dim: str, *, flops_per_element: float = 1.0) -> OpRule:
+    """``acc`` plus ``block`` placed at this rank's block of dim ``dim`` (zeros elsewhere):
+    ``acc`` P with ``block`` S(dim) -> P (a zero-padded shard is a Partial whose sum over
+    ranks is the whole tensor: DTensor's Shard -> Partial without communication). All
+    Replicate (a mesh of one rank) -> R."""
+
+    def propagate(node: Node, pls: dict[str, Any]) -> PlacementValue:
+        flat = _flat(pls.values())
+        if all(p == R for p in flat):
+            return _outputs(node, R)
+        bound = _bind(node)
+        want = Shard(_norm_dim(bound[dim], _ndim(bound[block])))
+        if pls.get(acc) != Partial() or pls.get(block) != want:
+            _fail(node, f"expected {acc}=P and {block}={want} (others R)", pls)
+        if any(p != R for k, p in pls.items() if k not in (acc, block)):
+            _fail(node, f"arguments other than {acc}/{block} must be Replicate", pls)
+        return _outputs(node, Partial())
+
+    return OpRule("shard_into_partial", propagate, primary=block, flops_per_element=flops_per_element,
+                  description=f"{acc} P + {block} S({dim}) at the rank's block -> P")
 
 
 _K3_RULES: dict[str, OpRule] = {}

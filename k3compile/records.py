@@ -397,6 +397,10 @@ class PassRecord:
             "stats": {str(k): _json_number(v) for k, v in (getattr(result, "stats", None) or {}).items()},
             "skipped": len(skipped),
             "skipped_reasons": [{"node": str(s.node), "reason": str(s.reason)} for s in skipped[:5]],
+            "rewrites": [
+                {"node": str(r.node), "detail": str(r.detail), "stats": {k: _json_number(v) for k, v in r.stats.items()}}
+                for r in getattr(result, "rewrites", None) or []
+            ],
             "nodes_before": len(self.before),
             "nodes_after": len(self.after),
             "op_count_delta": self.op_count_delta(),
@@ -420,12 +424,14 @@ class PassRecord:
             out.append("   ops:   " + ", ".join(f"{k} {d:+d}" for k, d in s["op_count_delta"].items()))
         if s["validation"] is not None:
             out.append("   validation: " + _fmt_validation(self.report))
-        skipped = list(getattr(self.result, "skipped", None) or [])
-        if skipped:
-            out.append(f"   skipped {len(skipped)} candidate(s):")
-            out += [f"     {sk.node}: {sk.reason}" for sk in skipped[:max_skipped]]
-            if len(skipped) > max_skipped:
-                out.append(f"     ... {len(skipped) - max_skipped} more")
+        rewrites = [(r.node, r.detail) for r in getattr(self.result, "rewrites", None) or []]
+        skipped = [(sk.node, sk.reason) for sk in getattr(self.result, "skipped", None) or []]
+        for label, items in (("rewrote", rewrites), ("skipped", skipped)):
+            if items:
+                out.append(f"   {label} {len(items)} candidate(s):")
+                out += [f"     {node}: {why}" for node, why in items[:max_skipped]]
+                if len(items) > max_skipped:
+                    out.append(f"     ... {len(items) - max_skipped} more")
         if diff:
             d = self.unified_diff(context=context)
             if d:
@@ -472,13 +478,15 @@ class PassRecord:
             cls = "k3rec-ok" if ok else "k3rec-fail"
             rows.append(f'<tr><th>validation</th><td class="{cls}">{e(_fmt_validation(self.report))}</td></tr>')
         head = title + (f'<table class="k3rec-meta">{"".join(rows)}</table>' if rows else "")
-        skipped = list(getattr(self.result, "skipped", None) or [])
-        if skipped:
-            body = "".join(f"<tr><td>{e(str(sk.node))}</td><td>{e(str(sk.reason))}</td></tr>" for sk in skipped)
-            head += (
-                f'<details class="k3rec-skipped"><summary>skipped {len(skipped)} candidate(s)</summary>'
-                f'<table class="k3rec-reasons"><tr><th>node</th><th>reason</th></tr>{body}</table></details>'
-            )
+        rewrites = [(r.node, r.detail) for r in getattr(self.result, "rewrites", None) or []]
+        skipped = [(sk.node, sk.reason) for sk in getattr(self.result, "skipped", None) or []]
+        for label, column, items in (("rewrote", "what", rewrites), ("skipped", "reason", skipped)):
+            if items:
+                body = "".join(f"<tr><td>{e(str(node))}</td><td>{e(str(why))}</td></tr>" for node, why in items)
+                head += (
+                    f'<details class="k3rec-skipped"><summary>{label} {len(items)} candidate(s)</summary>'
+                    f'<table class="k3rec-reasons"><tr><th>node</th><th>{column}</th></tr>{body}</table></details>'
+                )
         return head
 
     def _html_diff(self, max_rows: int, fold: bool = True) -> str:

@@ -195,7 +195,8 @@ class TranslationValidator:
         after: ExportedProgram,
         ctx,
     ) -> ValidationReport:
-        job = _Job(ctx.config, phase, self.seed, self.block_size, self.constants, before_specs, dict(ctx.specs))
+        constants = {**self.constants, **getattr(ctx, "constants", {})}  # the pass may have added some
+        job = _Job(ctx.config, phase, self.seed, self.block_size, constants, before_specs, dict(ctx.specs))
         if ctx.plan.tp == 1:
             errors = _compare(job, ctx.plan, before, after)
         else:

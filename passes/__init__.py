@@ -4,8 +4,9 @@
 pipeline (``k3compile.targets``) is a subset of these names.
 """
 
+from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
 from k3compile.passes.remove_noops import RemoveNoops
 
-ALL_PASSES = {p.name: p for p in (RemoveNoops,)}
+ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear)}
 
-__all__ = ["ALL_PASSES", "RemoveNoops"]
+__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "RemoveNoops"]

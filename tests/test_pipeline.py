@@ -53,7 +53,7 @@ class ScaleLogits(GraphPass):
 
 def test_remove_noops_is_exact_and_shrinks_the_graph(captured):
     before = {p: count_ops(ep.graph_module) for p, ep in captured.programs.items()}
-    options = PipelineOptions(target="cpu", validate=True)
+    options = PipelineOptions(target="cpu", validate=True, disable=("dedup_replicated_linear",))
     result = run_pipeline(captured.programs, captured.config, captured.plan, captured.specs, options,
                           validator=TranslationValidator(constants=captured.constants))
     assert [r.pass_name for r in result.records] == ["remove_noops", "remove_noops"]
@@ -98,8 +98,10 @@ def test_random_step_inputs_are_valid_steps(captured):
 
 def test_resolve_passes_order_and_errors():
     target = get_target("mi355x")
-    assert [p.name for p in resolve_passes(target, PipelineOptions(target="mi355x"))] == ["remove_noops"]
-    assert resolve_passes(target, PipelineOptions(target="mi355x", disable=("remove_noops",))) == []
+    assert [p.name for p in resolve_passes(target, PipelineOptions(target="mi355x"))] == [
+        "remove_noops", "dedup_replicated_linear"]
+    off = PipelineOptions(target="mi355x", disable=("remove_noops", "dedup_replicated_linear"))
+    assert resolve_passes(target, off) == []
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
         resolve_passes(target, PipelineOptions(enable=("nope",)))
     with pytest.raises(ValueError, match="unknown target"):
@@ -143,7 +145,7 @@ def test_validation_runs_across_ranks_at_tp2(monkeypatch):
     tp2 = capture(PRESETS["tiny"], ParallelPlan(tp=2, rank=0), torch.float32, phases=("decode",))
     validator = TranslationValidator(constants=tp2.constants)
     good = run_pipeline(copy.deepcopy(tp2.programs), tp2.config, tp2.plan, dict(tp2.specs),
-                        PipelineOptions(validate=True), validator=validator)
+                        PipelineOptions(validate=True, disable=("dedup_replicated_linear",)), validator=validator)
     (record,) = good.records
     assert record.result.changed and record.report.max_error == 0.0
     assert set(record.report.errors) >= {"output0", "cache0"}
@@ -151,5 +153,6 @@ def test_validation_runs_across_ranks_at_tp2(monkeypatch):
     monkeypatch.setitem(passes.ALL_PASSES, ScaleLogits.name, ScaleLogits)
     with pytest.raises(PassError, match="scale_logits changed the decode graph's numerics"):
         run_pipeline(tp2.programs, tp2.config, tp2.plan, dict(tp2.specs),
-                     PipelineOptions(enable=("scale_logits",), disable=("remove_noops",), validate=True),
+                     PipelineOptions(enable=("scale_logits",), disable=("remove_noops", "dedup_replicated_linear"),
+                                     validate=True),
                      validator=validator)

@@ -287,6 +287,7 @@ def test_summary_is_json(clone_record):
             {"node": "clone_1", "reason": "output <aliased> by a view"},
             {"node": "clone_2", "reason": "feeds the graph output"},
         ],
+        "rewrites": [],
         "nodes_before": 17,
         "nodes_after": 16,
         "op_count_delta": {"aten.clone.default": -1},

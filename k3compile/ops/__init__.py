@@ -7,4 +7,4 @@ Importing this package registers all ops; passes match them by name
 (``torch.ops.k3.<name>``), never by module path.
 """
 from k3compile.ops import kda  # noqa: F401
-from k3compile.ops import activations, attn_res, mla, moe, norm  # noqa: F401,E402
+from k3compile.ops import activations, attn_res, mla, moe, norm, partial  # noqa: F401,E402
