@@ -6,6 +6,7 @@ Commands (run ``k3compile COMMAND --help`` for the options of each):
 * ``presets``: list the built-in model configurations and their sizes.
 * ``generate``: greedy generation with the reference model on the CPU.
 * ``optimize``: compile a model directory into an artifact (capture, passes, write).
+* ``plan``: per-GPU memory under a parallel plan, with and without each pass that changes it.
 * ``inspect``: verify an artifact and show how it was made and what each pass did.
 * ``run``: load an artifact with the runtime and generate tokens (``torchrun`` for tp > 1).
 
@@ -486,6 +487,31 @@ def _choice(value: str, choices: tuple[str, ...], option: str, what: str) -> str
     return value
 
 
+def _pass_selection(enable: list[str] | None, disable: list[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The --enable/--disable pass names, checked against the known passes."""
+    enabled, disabled = _names(enable), _names(disable)
+    known = _pass_names()
+    for option, names in (("--enable", enabled), ("--disable", disabled)):
+        for name in names:
+            if name not in known:
+                raise UserError(f"{option}: unknown pass {name!r}; known passes: {', '.join(known)}")
+    both = [n for n in enabled if n in disabled]
+    if both:
+        raise UserError(f"pass {both[0]!r} is both enabled and disabled")
+    return enabled, disabled
+
+
+def _check_tp(cfg: K3Config, tp: int) -> None:
+    from k3compile.model.k3 import check_divisible
+
+    if tp < 1:
+        raise UserError(f"--tp must be at least 1, got {tp}")
+    try:
+        check_divisible(cfg, tp)
+    except ValueError as e:
+        raise UserError(f"--tp {tp}: {e} (the model's heads and widths split evenly over the ranks)") from None
+
+
 def _is_artifact_dir(path: Path) -> bool:
     from k3compile.artifact import FORMAT_NAME, MANIFEST
 
@@ -737,15 +763,7 @@ def optimize_command(
             raise UserError(f"--block-size must be at least 1, got {block_size}")
         _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
         _choice(target, _target_names(), "--target", "target")
-        enabled, disabled = _names(enable), _names(disable)
-        known = _pass_names()
-        for option, names in (("--enable", enabled), ("--disable", disabled)):
-            for name in names:
-                if name not in known:
-                    raise UserError(f"{option}: unknown pass {name!r}; known passes: {', '.join(known)}")
-        both = [n for n in enabled if n in disabled]
-        if both:
-            raise UserError(f"pass {both[0]!r} is both enabled and disabled")
+        enabled, disabled = _pass_selection(enable, disable)
         if not model_dir.is_dir():
             raise UserError(f"{model_dir} is not a directory (create one with 'k3compile init-model')")
         if out.exists() or out.is_symlink():
@@ -754,12 +772,7 @@ def optimize_command(
             if not out.is_dir() or out.is_symlink() or not (_is_artifact_dir(out) or not any(out.iterdir())):
                 raise UserError(f"refusing to overwrite {out}: it is not a k3compile artifact")
         cfg = load_config(model_dir)
-        from k3compile.model.k3 import check_divisible
-
-        try:
-            check_divisible(cfg, tp)
-        except ValueError as e:
-            raise UserError(f"--tp {tp}: {e} (the model's heads and widths split evenly over the ranks)") from None
+        _check_tp(cfg, tp)
 
         from k3compile.compiler import CompileOptions, optimize
 
@@ -808,6 +821,124 @@ def optimize_command(
         f"torchrun --nproc-per-node {tp} -m k3compile run {out}" if tp > 1 else f"k3compile run {out}"
     )
     console.print(f"Next: k3compile inspect {escape(str(out))}   |   {escape(run_cmd)} --prompt \"1 2 3\"", soft_wrap=True)
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[
+        Optional[Path],
+        typer.Argument(
+            help="A model directory or its config.json (weights are not needed). Example: ./k3-config",
+            show_default=False,
+        ),
+    ] = None,
+    preset: Annotated[
+        Optional[str],
+        typer.Option(
+            "--preset", "-p",
+            help=f"A built-in configuration instead of MODEL: {', '.join(PRESETS)}. Example: --preset k3",
+            show_default=False,
+        ),
+    ] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree (GPUs). Example: --tp 8")] = 8,
+    dcp: Annotated[
+        int,
+        typer.Option(help="Decode context parallelism: the MLA history split over this many ranks. Example: --dcp 8"),
+    ] = 1,
+    context: Annotated[
+        int, typer.Option(help="Tokens per sequence the caches hold. Example: --context 131072")
+    ] = 131072,
+    sequences: Annotated[
+        int, typer.Option(help="Sequences resident at once (cache slots). Example: --sequences 16")
+    ] = 1,
+    target: Annotated[
+        str,
+        typer.Option(help="Hardware: cpu, h200, mi355x or mi300x (picks the passes and the memory per GPU). Example: --target h200"),
+    ] = "mi355x",
+    dtype: Annotated[
+        str, typer.Option(help="Weight and activation dtype: bfloat16 or float32. Example: --dtype bfloat16")
+    ] = "bfloat16",
+    block_size: Annotated[int, typer.Option(help="Tokens per MLA cache block. Example: --block-size 64")] = 16,
+    enable: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Add a pass to the target's list. Example: --enable remove_noops", show_default=False),
+    ] = None,
+    disable: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Drop a pass of the target's list. Example: --disable dedup_replicated_linear", show_default=False),
+    ] = None,
+) -> None:
+    """Per-GPU memory of a model under a parallel plan, with and without each pass that changes it.
+
+    Captures the decode graph on the meta device (no weights are read: a config is enough, the full K3 takes about a minute), runs the target's passes one at a time and reports, per GPU, the weights by kind as the runtime holds them (mxfp4 experts dequantised to the model dtype), the MLA latent KV cache and the KDA state for SEQUENCES x CONTEXT tokens, before the passes and after each pass that changed memory.
+
+    Example: k3compile plan --preset k3 --tp 8 --context 131072 --target mi355x
+    """
+    from k3compile.memory import MemoryOptions, plan_memory
+    from k3compile.pipeline import PassError
+
+    try:
+        if (model is None) == (preset is None):
+            raise UserError("give exactly one of MODEL (a model directory or config.json) or --preset NAME")
+        cfg = get_preset(preset) if preset is not None else read_config_file(model)
+        _check_tp(cfg, tp)
+        if dcp != 1:
+            raise UserError(f"--dcp {dcp}: decode context parallelism is not implemented yet; only --dcp 1 is planned")
+        for option, value in (("--context", context), ("--sequences", sequences), ("--block-size", block_size)):
+            if value < 1:
+                raise UserError(f"{option} must be at least 1, got {value}")
+        _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
+        _choice(target, _target_names(), "--target", "target")
+        enabled, disabled = _pass_selection(enable, disable)
+        from k3compile.compiler import DTYPES
+
+        options = MemoryOptions(tp, target, DTYPES[dtype], context, sequences, block_size, enabled, disabled)
+        with _Steps(console) as steps:
+            result = plan_memory(cfg, options, on_step=steps)
+    except UserError as e:
+        _fail(str(e))
+    except (ConfigError, PassError) as e:
+        _fail(str(e))
+    console.print(plan_table(result))
+    final, hbm = result.final.total, result.hbm_bytes
+    if hbm:
+        verdict = "fits" if final <= hbm else "does not fit"
+        console.print(f"total {human_bytes(final)} per GPU {verdict} in the {target}'s {human_bytes(hbm)}", soft_wrap=True)
+    if result.unchanged:
+        console.print(f"passes that ran without changing memory: {', '.join(result.unchanged)}", soft_wrap=True)
+
+
+def plan_table(result: Any) -> Table:
+    """Rows: weight kinds, weight total, MLA KV, KDA state, total; columns: the stages."""
+    cfg, o = result.config, result.options
+    title = (
+        f"Memory per GPU: {_config_name(cfg)}, tp {o.tp}, target {o.target}, {str(o.dtype).removeprefix('torch.')}, "
+        f"{o.sequences} sequence(s) x {o.context} tokens (block {o.block_size})"
+    )
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("")
+    stages = result.stages
+    for i, (name, _) in enumerate(stages):
+        table.add_column(name if i == 0 else f"+ {name}", justify="right")
+    if len(stages) > 1:
+        table.add_column("saved", justify="right")
+    kinds = {k: [e.weights[k] for _, e in stages] for k in stages[0][1].weights if any(e.weights[k] for _, e in stages)}
+    n_mla = sum(1 for k in cfg.layer_kinds if k == "mla")
+    rows = [(k, v) for k, v in kinds.items()]
+    rows += [
+        ("weights", [e.weight_total for _, e in stages]),
+        (f"MLA latent KV ({n_mla} layers)", [e.mla_kv for _, e in stages]),
+        (f"KDA state ({cfg.num_hidden_layers - n_mla} layers)", [e.kda_state for _, e in stages]),
+        ("total", [e.total for _, e in stages]),
+    ]
+    last_kind = list(kinds)[-1]
+    for label, values in rows:
+        cells = [human_bytes(v) for v in values]
+        if len(stages) > 1:
+            cells.append(human_bytes(values[0] - values[-1]) if values[0] != values[-1] else "")
+        bold = label in ("weights", "total")
+        table.add_row(f"[bold]{label}[/]" if bold else label, *cells, end_section=label in (last_kind, "weights"))
+    return table
 
 
 def _read_info(out: Path, check_checkpoint: Any = "warn", world_size: int | None = None):

@@ -1,0 +1,169 @@
+"""Per-GPU memory of a compiled model: weights by kind, MLA latent KV cache, KDA state.
+
+Everything is derived from what the compiler actually produces, not from formulas kept
+beside it: the weights are the decode program's parameters with their shard specs after
+the passes (a pass that reshards a weight changes them), the caches are what
+:func:`k3compile.batch.allocate_caches` allocates for the plan (on ``meta``: no memory is
+touched). The full K3 config works without weights: capture runs on ``meta``.
+
+:func:`plan_memory` runs the target's passes one at a time and keeps an estimate after
+each pass that changed memory, so a report shows the model with and without each
+memory-changing pass.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from k3compile.batch import CacheShape, KDALayerCache, MLALayerCache, allocate_caches
+from k3compile.config import K3Config
+from k3compile.sharding import ParallelPlan, ShardSpec
+
+#: Weight kinds in report order, each with the checkpoint-name pattern that selects it
+#: (the first match wins; names are the checkpoint's, without the kimi_k3 prefix).
+WEIGHT_KINDS: tuple[tuple[str, str], ...] = (
+    ("routed experts", r"\.block_sparse_moe\.experts\."),
+    ("shared experts", r"\.block_sparse_moe\.shared_experts\."),
+    ("MoE latent projections", r"\.block_sparse_moe\.(routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)\."),
+    ("MoE router", r"\.block_sparse_moe\.gate\."),
+    ("dense MLP", r"\.mlp\."),
+    ("attention", r"\.self_attn\."),
+    ("embedding", r"embed_tokens\."),
+    ("LM head", r"lm_head\."),
+    ("norms and AttnRes", r"."),
+)
+
+
+def weight_kind(checkpoint_name: str) -> str:
+    for kind, pattern in WEIGHT_KINDS:
+        if re.search(pattern, checkpoint_name):
+            return kind
+    raise AssertionError("the last pattern matches every name")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one GPU holds (the rank-0 slice; ranks hold equal slices)."""
+
+    weights: dict[str, int]  # by kind, in WEIGHT_KINDS order
+    mla_kv: int  # latent KV cache of every MLA layer
+    kda_state: int  # conv states + fp32 recurrent state of every KDA layer
+
+    @property
+    def weight_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        return self.weight_total + self.mla_kv + self.kda_state
+
+
+def weight_bytes_by_kind(program: ExportedProgram, specs: dict[str, ShardSpec]) -> dict[str, int]:
+    """This rank's parameter bytes as the runtime holds them (the program's parameter
+    dtypes: mxfp4 experts are dequantised at load), by kind."""
+    out = {kind: 0 for kind, _ in WEIGHT_KINDS}
+    for spec_in in program.graph_signature.input_specs:
+        if spec_in.kind != InputKind.PARAMETER:
+            continue
+        param = program.state_dict[spec_in.target]
+        out[weight_kind(specs[spec_in.target].names[0])] += param.numel() * param.element_size()
+    return out
+
+
+def cache_bytes(
+    cfg: K3Config, plan: ParallelPlan, dtype: torch.dtype, context: int, sequences: int, block_size: int
+) -> tuple[int, int]:
+    """(MLA latent KV, KDA state) bytes on one rank for ``sequences`` of ``context`` tokens."""
+    blocks = sequences * math.ceil(context / block_size)
+    caches = allocate_caches(cfg, plan, CacheShape(sequences, blocks, block_size), dtype, device="meta")
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    mla = sum(nbytes(c.kv) for c in caches if isinstance(c, MLALayerCache))
+    kda = sum(
+        nbytes(c.conv_q) + nbytes(c.conv_k) + nbytes(c.conv_v) + nbytes(c.state)
+        for c in caches
+        if isinstance(c, KDALayerCache)
+    )
+    return mla, kda
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The deployment the estimate is for."""
+
+    tp: int = 8
+    target: str = "mi355x"
+    dtype: torch.dtype = torch.bfloat16
+    context: int = 131072  # tokens per sequence
+    sequences: int = 1  # sequences resident at once
+    block_size: int = 16
+    enable: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()
+
+
+@dataclass
+class MemoryPlan:
+    """Estimates before any pass, then after each pass that changed memory."""
+
+    config: K3Config
+    options: MemoryOptions
+    stages: list[tuple[str, MemoryEstimate]] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)  # passes that ran without changing memory
+    hbm_bytes: int = 0  # the target's memory per GPU (0: unknown)
+
+    @property
+    def final(self) -> MemoryEstimate:
+        return self.stages[-1][1]
+
+    def saved_by(self, pass_name: str) -> int:
+        """Bytes per GPU the pass saved (0 if it changed nothing)."""
+        names = [name for name, _ in self.stages]
+        if pass_name not in names:
+            return 0
+        i = names.index(pass_name)
+        return self.stages[i - 1][1].total - self.stages[i][1].total
+
+
+def plan_memory(
+    cfg: K3Config, options: MemoryOptions, on_step: Callable[[str], None] | None = None
+) -> MemoryPlan:
+    """Capture the decode program (on ``meta``), then run the target's passes one by one,
+    estimating per-GPU memory before the first and after each that changed it."""
+    from k3compile.capture import capture
+    from k3compile.pipeline import PipelineOptions, resolve_passes, run_pipeline
+    from k3compile.placement import propagate_placements
+    from k3compile.targets import get_target
+
+    say = on_step or (lambda _msg: None)
+    target = get_target(options.target)
+    pipeline = PipelineOptions(target=options.target, enable=options.enable, disable=options.disable)
+    names = [p.name for p in resolve_passes(target, pipeline)]
+    plan = ParallelPlan(options.tp, 0)
+    say("capture decode")
+    captured = capture(cfg, plan, options.dtype, options.block_size, phases=("decode",))
+    program = captured.programs["decode"]
+    propagate_placements(program.graph_module, program, captured.specs, plan)
+
+    def estimate() -> MemoryEstimate:
+        mla, kda = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences, options.block_size)
+        return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), mla, kda)
+
+    result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes)
+    from k3compile.passes import ALL_PASSES
+
+    for name in names:
+        say(f"pass {name}")
+        only = PipelineOptions(target=options.target, enable=(name,), disable=tuple(n for n in ALL_PASSES if n != name))
+        run_pipeline(captured.programs, cfg, plan, captured.specs, only, constants=captured.constants)
+        after = estimate()
+        if after != result.stages[-1][1]:
+            result.stages.append((name, after))
+        else:
+            result.unchanged.append(name)
+    return result

@@ -1,0 +1,86 @@
+"""`k3compile plan` / k3compile.memory: per-GPU weights by kind, MLA KV and KDA state,
+with and without each memory-changing pass, checked against sizes counted by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from k3compile.cli import app
+from k3compile.config import get_preset
+from k3compile.memory import MemoryOptions, plan_memory, weight_kind
+
+GiB = 2**30
+
+
+def _moe_layers(cfg) -> int:
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
+def _expected_caches(cfg, tp: int, context: int, sequences: int, block: int) -> tuple[int, int]:
+    lin = cfg.linear_attn
+    n_mla = sum(k == "mla" for k in cfg.layer_kinds)
+    n_kda = cfg.num_hidden_layers - n_mla
+    mla = n_mla * sequences * math.ceil(context / block) * block * cfg.mla_cache_width * 2  # bf16
+    heads = lin.num_heads // tp
+    conv = 3 * heads * lin.head_dim * (lin.short_conv_kernel_size - 1) * 2  # q, k, v conv states, bf16
+    state = heads * lin.head_dim * lin.head_dim * 4  # fp32 recurrent state
+    return mla, n_kda * sequences * (conv + state)
+
+
+def test_weight_kinds_follow_checkpoint_names():
+    assert weight_kind("model.layers.3.block_sparse_moe.experts.7.w1.weight") == "routed experts"
+    assert weight_kind("model.layers.3.block_sparse_moe.routed_expert_up_proj.weight") == "MoE latent projections"
+    assert weight_kind("model.layers.3.block_sparse_moe.shared_experts.down_proj.weight") == "shared experts"
+    assert weight_kind("model.layers.0.mlp.gate_proj.weight") == "dense MLP"
+    assert weight_kind("model.layers.5.self_attn.kv_a_proj_with_mqa.weight") == "attention"
+    assert weight_kind("model.norm.weight") == "norms and AttnRes"
+
+
+def test_plan_tiny_tp2_counts_caches_and_the_dedup_saving():
+    cfg = get_preset("tiny")
+    tp, context, seqs, block = 2, 100, 3, 16
+    plan = plan_memory(cfg, MemoryOptions(tp=tp, target="cpu", context=context, sequences=seqs, block_size=block))
+    assert [name for name, _ in plan.stages] == ["no passes", "dedup_replicated_linear"]
+    assert plan.unchanged == ["remove_noops"]
+    before, after = plan.stages[0][1], plan.stages[1][1]
+    up_bytes = _moe_layers(cfg) * cfg.hidden_size * cfg.routed_expert_hidden_size * 2
+    assert plan.saved_by("dedup_replicated_linear") == up_bytes * (tp - 1) // tp
+    assert before.weights["MoE latent projections"] - after.weights["MoE latent projections"] == up_bytes // 2
+    assert {k for k, v in before.weights.items() if v != after.weights[k]} == {"MoE latent projections"}
+    assert (after.mla_kv, after.kda_state) == _expected_caches(cfg, tp, context, seqs, block)
+
+
+def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(app, ["plan", "--preset", "tiny", "--tp", "2", "--target", "cpu", "--context", "64"])
+    assert ok.exit_code == 0, ok.output
+    assert "+ dedup_replicated_linear" in ok.stdout and "saved" in ok.stdout
+    assert "passes that ran without changing memory: remove_noops" in ok.stdout
+    errors = {
+        ("--tp", "3"): "--tp 3:",
+        ("--dcp", "2"): "--dcp 2: decode context parallelism is not implemented yet",
+        ("--context", "0"): "--context must be at least 1",
+        ("--target", "tpu"): "--target: unknown target 'tpu'",
+    }
+    for args, message in errors.items():
+        bad = runner.invoke(app, ["plan", "--preset", "tiny", "--tp", "2", *args])
+        assert bad.exit_code == 2 and message in bad.stderr, bad.output
+    both = runner.invoke(app, ["plan", str(tmp_path), "--preset", "tiny"])
+    assert both.exit_code == 2 and "exactly one of MODEL" in both.stderr
+
+
+@pytest.mark.slow
+def test_plan_full_k3_tp8_reports_the_dedup_saving():
+    """The full 2.8T config on meta, TP8: the dedup pass saves 7/8 of every routed-expert
+    up-projection (7168 x 3584 bf16) on each GPU."""
+    cfg = get_preset("k3")
+    plan = plan_memory(cfg, MemoryOptions(tp=8, target="mi355x", context=131072, sequences=1, dtype=torch.bfloat16))
+    saved = plan.saved_by("dedup_replicated_linear")
+    assert saved == _moe_layers(cfg) * 7168 * 3584 * 2 * 7 // 8
+    assert 4.0 * GiB > saved > 3.5 * GiB
+    final = plan.final
+    assert (final.mla_kv, final.kda_state) == _expected_caches(cfg, 8, 131072, 1, 16)
