@@ -67,6 +67,11 @@ def check_checkpoint_headers(model_dir: Path, captured: CapturedModel) -> LoadRe
     return report
 
 
+#: Sequences per validation step: a decode batch below and one above the 16 tokens at which
+#: the GEMM dispatch (model/gemm.py) switches branch, so both outcomes of its cond are checked.
+VALIDATION_SEQS = (3, 17)
+
+
 def optimize(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -90,7 +95,9 @@ def optimize(
         target=options.target, enable=options.enable, disable=options.disable, validate=options.validate, rtol=options.rtol
     )
     validator = (
-        TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants)
+        TranslationValidator(
+            options.rtol, block_size=options.block_size, constants=captured.constants, num_seqs=VALIDATION_SEQS
+        )
         if options.validate
         else None
     )

@@ -1067,7 +1067,7 @@ def _pad(node: Node, bound: dict[str, Any]) -> PlacementValue:
     return p
 
 
-_register(_packets("constant_pad_nd"), "copy")(_pad)
+_register(_packets("constant_pad_nd", "pad"), "copy")(_pad)
 
 
 def _copy(node: Node, bound: dict[str, Any]) -> PlacementValue:
@@ -1078,6 +1078,27 @@ def _copy(node: Node, bound: dict[str, Any]) -> PlacementValue:
 
 
 _register(_packets("copy_", "copy"), "copy")(_copy)
+
+
+_ZERO_FACTORIES = frozenset(_packets("new_zeros", "zeros", "zeros_like"))
+
+
+def _scatter(node: Node, bound: dict[str, Any]) -> PlacementValue:
+    """``slice_scatter``/``select_scatter(self, src, dim)``: self and src share a placement
+    not sharded along ``dim``; a zero-filled buffer (a staging buffer) takes the placement
+    of what is scattered into it, since zeros are the same under every placement."""
+    base, src = bound["self"], bound["src"]
+    pb, ps = base.meta["placement"], src.meta["placement"]
+    pls = _input_placements(bound)
+    zeros = base.op == "call_function" and getattr(base.target, "overloadpacket", None) in _ZERO_FACTORIES
+    if pb != ps and not (zeros and pb == R):
+        _fail(node, "self and src must share a placement (or self be a zero-filled buffer)", pls)
+    if isinstance(ps, Shard) and ps.dim == _norm_dim(bound.get("dim", 0), _ndim(base)):
+        _fail(node, f"scatter along the sharded dim {ps.dim}", pls)
+    return ps
+
+
+_register(_packets("slice_scatter", "select_scatter"), "copy")(_scatter)
 
 
 def _like(node: Node, bound: dict[str, Any]) -> PlacementValue:
@@ -1242,6 +1263,8 @@ def _call(node: Node) -> PlacementValue:
                 _fail(node, f"getitem of a single value placed {_fmt(sp)}")
             _fail(node, f"getitem of {src} which has no tuple placement")
         return sp[idx]
+    if target is torch.ops.higher_order.cond:
+        return _cond(node)
     if isinstance(target, torch._ops.OpOverload):
         bound = _bind(node)
         if target.namespace not in ("aten", "_c10d_functional", "prims"):
@@ -1261,16 +1284,37 @@ def _call(node: Node) -> PlacementValue:
     _fail(node, "no placement rule for this callable", {f"arg{i}": _placement(a) for i, a in enumerate(vals)})
 
 
-def propagate_placements(
-    gm: GraphModule, program: ExportedProgram, specs: dict[str, ShardSpec], plan: ParallelPlan
-) -> None:
-    """Set ``node.meta["placement"]`` on every node of ``gm`` (the graph of ``program``)."""
-    sig = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
-    user_inputs = {n for n, s in sig.items() if s.kind == InputKind.USER_INPUT}
-    caches = _cache_placements(gm, user_inputs, plan)
-    for node in gm.graph.nodes:
+def _branch(node: Node, index: int) -> GraphModule:
+    """The subgraph module a higher-order op's argument ``index`` names (a get_attr)."""
+    attr = node.args[index]
+    return getattr(node.graph.owning_module, attr.target)
+
+
+def _cond(node: Node) -> PlacementValue:
+    """``torch.cond(pred, true_fn, false_fn, operands)``: each branch subgraph is placed
+    from the operands' placements; both branches must return the same placements (the
+    rank-local result must mean the same whichever branch ran). The predicate is a size
+    or a replicated tensor, so every rank takes the same branch."""
+    pred, operands = node.args[0], node.args[3]
+    if _is_tensor(pred) and pred.meta["placement"] != R:
+        _fail(node, f"predicate placed {_fmt(pred.meta['placement'])}: ranks could take different branches")
+    placements = [_placement(o) if _is_tensor(o) else (R if isinstance(o, Node) else None) for o in operands]
+    outs = []
+    for index in (1, 2):
+        branch = _branch(node, index)
+        inputs = iter(placements)
+        _propagate_graph(branch.graph, lambda _n: next(inputs))
+        outs.append(next(n for n in branch.graph.nodes if n.op == "output").meta["placement"])
+    if outs[0] != outs[1]:
+        _fail(node, f"branches return different placements: {_fmt(outs[0])} vs {_fmt(outs[1])}")
+    return outs[0]
+
+
+def _propagate_graph(graph: torch.fx.Graph, placeholder: Callable[[Node], PlacementValue]) -> None:
+    """Place every node of ``graph``; ``placeholder(node)`` gives the inputs' placements."""
+    for node in graph.nodes:
         if node.op == "placeholder":
-            p = _placeholder(node, sig, specs, plan, caches)
+            p = placeholder(node)
         elif node.op == "call_function":
             try:
                 p = _call(node)
@@ -1286,9 +1330,23 @@ def propagate_placements(
                       for o in (outs if isinstance(outs, (list, tuple)) else [outs]))
         else:
             _fail(node, f"unsupported node kind {node.op!r}")
-        if plan.tp == 1 and any(q != R for q in _flat([p] if not isinstance(p, tuple) else list(p))):
-            _fail(node, f"placement {_fmt(p)} at tp=1")
         node.meta["placement"] = p
+
+
+def propagate_placements(
+    gm: GraphModule, program: ExportedProgram, specs: dict[str, ShardSpec], plan: ParallelPlan
+) -> None:
+    """Set ``node.meta["placement"]`` on every node of ``gm`` (the graph of ``program``)
+    and of the branch subgraphs of its ``torch.cond`` nodes."""
+    sig = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    user_inputs = {n for n, s in sig.items() if s.kind == InputKind.USER_INPUT}
+    caches = _cache_placements(gm, user_inputs, plan)
+    _propagate_graph(gm.graph, lambda node: _placeholder(node, sig, specs, plan, caches))
+    if plan.tp == 1:
+        for node in gm.graph.nodes:
+            p = node.meta["placement"]
+            if any(q != R for q in _flat([p] if not isinstance(p, tuple) else list(p))):
+                _fail(node, f"placement {_fmt(p)} at tp=1")
     gm.meta["placement_plan"] = plan
 
 

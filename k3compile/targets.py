@@ -26,7 +26,7 @@ class Target:
 
 
 # The mission's passes join these lists as they land (one file each in passes/).
-_COMMON_PASSES: tuple[str, ...] = ("remove_noops", "dedup_replicated_linear")
+_COMMON_PASSES: tuple[str, ...] = ("remove_noops", "dedup_replicated_linear", "sink_copies")
 
 TARGETS: dict[str, Target] = {
     "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, _COMMON_PASSES),

@@ -139,21 +139,26 @@ class _Job:
     constants: dict[str, ShardOffset]
     before_specs: dict[str, ShardSpec]
     after_specs: dict[str, ShardSpec]
+    num_seqs: tuple[int, ...] = (3,)
 
 
 def _compare(job: _Job, plan: ParallelPlan, before: ExportedProgram, after: ExportedProgram) -> dict[str, float]:
-    """Errors of ``after`` against ``before`` on this rank's slice of one random step."""
+    """Errors of ``after`` against ``before`` on this rank's slice of random steps, one
+    per entry of ``job.num_seqs`` (keys of steps after the first carry ``@<num_seqs>``)."""
     dtype = next(iter(before.state_dict.values())).dtype
-    inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed)
-    runs = []
-    for program, specs in ((before, job.before_specs), (after, job.after_specs)):
-        params = random_parameters(job.config, program, specs, plan, job.seed, job.constants)
-        ins = copy.deepcopy(inputs)
-        with torch.no_grad():
-            runs.append((run_graph(program.graph_module, program, params, ins), ins[-1]))
-    (out_b, caches_b), (out_a, caches_a) = runs
-    errors = {f"output{i}": _error(a, b) for i, (a, b) in enumerate(zip(out_a, out_b))}
-    errors.update({f"cache{i}": _error(a, b) for i, (a, b) in enumerate(zip(caches_a, caches_b))})
+    errors: dict[str, float] = {}
+    for i, num_seqs in enumerate(job.num_seqs):
+        inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed, num_seqs)
+        runs = []
+        for program, specs in ((before, job.before_specs), (after, job.after_specs)):
+            params = random_parameters(job.config, program, specs, plan, job.seed, job.constants)
+            ins = copy.deepcopy(inputs)
+            with torch.no_grad():
+                runs.append((run_graph(program.graph_module, program, params, ins), ins[-1]))
+        (out_b, caches_b), (out_a, caches_a) = runs
+        suffix = f"@{num_seqs}" if i else ""
+        errors.update({f"output{k}{suffix}": _error(a, b) for k, (a, b) in enumerate(zip(out_a, out_b))})
+        errors.update({f"cache{k}{suffix}": _error(a, b) for k, (a, b) in enumerate(zip(caches_a, caches_b))})
     return errors
 
 
@@ -180,9 +185,15 @@ class TranslationValidator:
     of the same random weights; the error is the worst over ranks."""
 
     def __init__(
-        self, rtol: float = 1e-4, seed: int = 0, block_size: int = 16, constants: dict[str, ShardOffset] | None = None
+        self,
+        rtol: float = 1e-4,
+        seed: int = 0,
+        block_size: int = 16,
+        constants: dict[str, ShardOffset] | None = None,
+        num_seqs: tuple[int, ...] = (3,),
     ):
         self.constants = constants or {}
+        self.num_seqs = num_seqs  # one random step per entry: e.g. (3, 17) takes both sides of a 16-token branch
         self.rtol = rtol
         self.seed = seed
         self.block_size = block_size
@@ -196,7 +207,8 @@ class TranslationValidator:
         ctx,
     ) -> ValidationReport:
         constants = {**self.constants, **getattr(ctx, "constants", {})}  # the pass may have added some
-        job = _Job(ctx.config, phase, self.seed, self.block_size, constants, before_specs, dict(ctx.specs))
+        job = _Job(ctx.config, phase, self.seed, self.block_size, constants, before_specs, dict(ctx.specs),
+                   self.num_seqs)
         if ctx.plan.tp == 1:
             errors = _compare(job, ctx.plan, before, after)
         else:

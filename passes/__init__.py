@@ -6,7 +6,8 @@ pipeline (``k3compile.targets``) is a subset of these names.
 
 from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
 from k3compile.passes.remove_noops import RemoveNoops
+from k3compile.passes.sink_copies import SinkCopies
 
-ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear)}
+ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies)}
 
-__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "RemoveNoops"]
+__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "RemoveNoops", "SinkCopies"]

@@ -9,6 +9,10 @@ parameters with a :class:`ShardSpec` naming the checkpoint tensor they come from
   caller all-reduces explicitly, so collectives stay visible in the model code (and the
   graph) where the math has them.
 * ``ReplicatedLinear``: every rank holds the whole weight.
+
+A linear built with ``dispatch=True`` runs through the serving-style GEMM dispatch of
+:mod:`k3compile.model.gemm` (staging copy, then ``torch.cond`` between a tiled GEMM and
+a GEMV fallback), as the KDA output projection does in the engine K3 was profiled in.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3compile.distributed import TPGroup
+from k3compile.model.gemm import dispatch_linear
 from k3compile.sharding import (
     CheckpointDType,
     ParallelPlan,
@@ -37,13 +42,22 @@ def weight_spec(
 class _Linear(nn.Module):
     shard_dim: int | None = None
 
-    def __init__(self, in_features: int, out_features: int, prefix: str, plan: ParallelPlan, dtype: torch.dtype):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        prefix: str,
+        plan: ParallelPlan,
+        dtype: torch.dtype,
+        dispatch: bool = False,
+    ):
         super().__init__()
         spec = weight_spec(f"{prefix}.weight", (out_features, in_features), self.shard_dim)
         self.weight = register_sharded_parameter(self, "weight", spec, plan, dtype)
+        self.dispatch = dispatch
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return dispatch_linear(x, self.weight) if self.dispatch else F.linear(x, self.weight)
 
 
 class ColumnParallelLinear(_Linear):
