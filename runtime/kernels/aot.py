@@ -1,0 +1,294 @@
+"""Ahead-of-time compilation report for Triton kernels: does a kernel fit a GPU we lack?
+
+CI has no GPU, but Triton's backends compile without one: ``triton.compile`` lowers a
+``@triton.jit`` function for gfx950 / gfx942 (to AMDGCN and a code object) and for
+sm_90 (to PTX and, with the bundled ``ptxas``, a cubin). This module compiles a kernel
+for a named target and reports what the hardware would have to give it:
+
+- shared memory (LDS on AMD): ``compiled.metadata.shared``, the bytes Triton allocates
+  per program (it is dynamic LDS, so the code object's own
+  ``.group_segment_fixed_size`` is 0 and cannot be used);
+- registers and spills: on AMD from the code object metadata in the AMDGCN text
+  (``.vgpr_count`` is the unified arch+acc VGPR count per lane that decides occupancy;
+  spills are ``.vgpr_spill_count``, the VGPRs spilled to scratch memory: SGPR spills
+  land in spare VGPR lanes and cost no memory traffic); on NVIDIA from ``cuobjdump
+  -res-usage`` of the cubin (``REG`` registers per thread; ``LOCAL`` bytes of
+  thread-local memory, which Triton kernels only use for spills, reported as 32-bit
+  words). ``None`` where the tool is missing: the report never guesses;
+- occupancy (see :func:`occupancy`), and ``fits``: the shared memory one program needs
+  is within what one workgroup / CTA may allocate, and at least one program fits a
+  CU / SM.
+
+    res = compile_for_target(kernel, {"x": "*bf16", "n": "i32", "BLOCK": "constexpr"},
+                             {"BLOCK": 64}, "gfx950")
+    assert res.fits, res
+
+Kernels are compiled with ``tt.divisibility=16`` on every pointer (the caching
+allocators of torch return 256-byte aligned storage; the JIT specialises the same way
+at launch) and on the integer arguments named in ``divisible_by_16``.
+
+In a process where TRITON_INTERPRET was set before Triton was imported (CPU test runs)
+nothing can be compiled in-process, so :func:`compile_many` (and compile_for_target)
+compile in one fresh subprocess without it; batch requests to pay its start-up once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+KiB = 1024
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One GPU's compile target and the per-CU/SM limits that occupancy depends on."""
+
+    name: str  # "gfx950", "gfx942", "sm_90"
+    device: str
+    gpu_target: GPUTarget
+    compute_units: int  # CUs (AMD) / SMs (NVIDIA)
+    shared_per_unit_bytes: int  # LDS per CU / shared memory per SM
+    shared_per_program_bytes: int  # most one workgroup / CTA may allocate
+    register_file: int  # AMD: VGPRs per lane of a SIMD; NVIDIA: 32-bit registers per SM
+    register_granule: int  # AMD: VGPRs per lane; NVIDIA: registers per warp
+    max_resident: int  # AMD: waves per SIMD; NVIDIA: warps per SM
+    max_programs_per_unit: int  # NVIDIA: CTAs per SM (AMD: limited by waves only)
+
+    @property
+    def is_amd(self) -> bool:
+        return self.gpu_target.backend == "hip"
+
+
+# Sources: AMD CDNA3 ISA guide and MI300X data sheet (304 CUs, 64 KiB LDS per CU,
+# 4 SIMDs per CU, 512 unified VGPRs per lane per SIMD allocated in granules of 8,
+# at most 8 waves per SIMD); AMD CDNA4 white paper and MI355X data sheet (256 CUs,
+# LDS grown to 160 KiB per CU, same register file); NVIDIA H200 = GH100 with 132 SMs,
+# 228 KiB shared memory per SM of which one CTA may use 227 KiB (the other KiB is
+# reserved per CTA), 64K registers per SM allocated per warp in units of 256, at most
+# 64 warps and 32 CTAs per SM (CUDA C Programming Guide, compute capability 9.0).
+TARGETS: dict[str, TargetSpec] = {
+    "gfx950": TargetSpec("gfx950", "AMD Instinct MI355X", GPUTarget("hip", "gfx950", 64), 256,
+                         160 * KiB, 160 * KiB, 512, 8, 8, 0),
+    "gfx942": TargetSpec("gfx942", "AMD Instinct MI300X", GPUTarget("hip", "gfx942", 64), 304,
+                         64 * KiB, 64 * KiB, 512, 8, 8, 0),
+    "sm_90": TargetSpec("sm_90", "NVIDIA H200", GPUTarget("cuda", 90, 32), 132,
+                        228 * KiB, 227 * KiB, 64 * KiB, 256, 64, 32),
+}
+
+_NV_RESERVED_SHARED_PER_CTA = 1 * KiB
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What one compiled program of ``kernel`` needs on ``target``."""
+
+    kernel: str
+    target: str
+    num_warps: int
+    shared_bytes: int  # LDS / shared memory per program
+    shared_limit_bytes: int  # most one program may allocate on the target
+    registers: int | None  # VGPRs per lane (AMD) / registers per thread (NVIDIA)
+    spills: int | None  # registers spilled to memory (AMD: VGPRs to scratch; NVIDIA: 32-bit words of local memory)
+    occupancy: int | None  # waves per SIMD (AMD) / warps per SM (NVIDIA); see occupancy()
+
+    @property
+    def fits(self) -> bool:
+        """The program can be launched: its shared memory is within the per-program limit
+        (and, when registers are known, at least one program is resident per CU/SM)."""
+        return self.shared_bytes <= self.shared_limit_bytes and self.occupancy != 0
+
+    def __str__(self) -> str:
+        return (f"{self.kernel}@{self.target}: warps={self.num_warps} "
+                f"shared={self.shared_bytes}/{self.shared_limit_bytes} B regs={self.registers} "
+                f"spills={self.spills} occupancy={self.occupancy} fits={self.fits}")
+
+
+def occupancy(spec: TargetSpec, num_warps: int, shared_bytes: int, registers: int | None) -> int | None:
+    """Resident waves per SIMD (AMD) or warps per SM (NVIDIA), the usual calculator.
+
+    AMD: a workgroup's ``num_warps`` waves spread over the CU's 4 SIMDs, so
+        waves/SIMD = min(8, 512 // roundup(VGPRs, 8), (LDS_per_CU // LDS) * num_warps // 4)
+    NVIDIA: CTAs/SM = min(32, 64 // num_warps, (65536 // roundup(32 * regs, 256)) // num_warps,
+                          228 KiB // (shared + 1 KiB reserved per CTA));  warps/SM = CTAs * num_warps
+    ``None`` when the register count is unknown.
+    """
+    if registers is None:
+        return None
+    if spec.is_amd:
+        alloc = -(-max(registers, 1) // spec.register_granule) * spec.register_granule
+        by_regs = spec.register_file // alloc
+        by_lds = (spec.shared_per_unit_bytes // shared_bytes) * num_warps // 4 if shared_bytes else spec.max_resident
+        return min(spec.max_resident, by_regs, by_lds)
+    per_warp = -(-32 * max(registers, 1) // spec.register_granule) * spec.register_granule
+    ctas = min(
+        spec.max_programs_per_unit,
+        spec.max_resident // num_warps,
+        (spec.register_file // per_warp) // num_warps,
+        spec.shared_per_unit_bytes // (shared_bytes + _NV_RESERVED_SHARED_PER_CTA),
+    )
+    return ctas * num_warps
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """One kernel specialisation to compile for one target (see compile_for_target)."""
+
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    target: str
+    num_warps: int = 4
+    num_stages: int = 1
+    divisible_by_16: tuple[str, ...] = ()
+
+
+def compile_for_target(
+    fn,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    target: str,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    divisible_by_16: tuple[str, ...] = (),
+) -> KernelResources:
+    """Compile ``fn`` for ``target`` (a key of :data:`TARGETS`) and report its resources.
+
+    ``signature`` maps every argument to a Triton type (``"*bf16"``, ``"i32"``,
+    ``"fp32"``, ``"constexpr"``); ``constexprs`` gives the constexpr values."""
+    return compile_many([CompileRequest(fn, signature, constexprs, target, num_warps, num_stages, divisible_by_16)])[0]
+
+
+def compile_many(requests: list[CompileRequest]) -> list[KernelResources]:
+    """Compile several specialisations; the resources in the same order.
+
+    Under TRITON_INTERPRET, ``triton.language``'s own jit functions (``tl.cdiv``,
+    ``tl.sum``'s combine, ...) are interpreter wrappers and the interpreter leaves
+    ``triton.language`` patched after helper calls, so nothing compiles in that process:
+    the requests then go, in one batch, to a fresh Python process without the variable
+    (constexpr values must be JSON values; kernels must live in importable modules)."""
+    for r in requests:
+        _target_spec(r.target)
+    if _language_interpreted():
+        return _compile_in_subprocess(requests)
+    return [_compile(r) for r in requests]
+
+
+def _target_spec(target: str) -> TargetSpec:
+    spec = TARGETS.get(target)
+    if spec is None:
+        raise ValueError(f"unknown target {target!r}: known targets are {sorted(TARGETS)}")
+    return spec
+
+
+def _language_interpreted() -> bool:
+    """triton.language was set up for the interpreter (TRITON_INTERPRET at import)."""
+    return not isinstance(triton.language.standard.cdiv, JITFunction)
+
+
+def _compile(r: CompileRequest) -> KernelResources:
+    spec = _target_spec(r.target)
+    fn = r.fn
+    if not isinstance(fn, JITFunction):
+        raise TypeError(f"{fn!r} is not a @triton.jit function (was it decorated under TRITON_INTERPRET?)")
+    missing = [a for a in fn.arg_names if a not in r.signature]
+    if missing:
+        raise ValueError(f"{fn.__name__}: signature lacks arguments {missing}")
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, ty in r.signature.items()
+        if ty.startswith("*") or name in r.divisible_by_16
+    }
+    src = ASTSource(fn=fn, signature=r.signature, constexprs=r.constexprs, attrs=attrs)
+    options = {"num_warps": r.num_warps, "num_stages": r.num_stages}
+    compiled = triton.compile(src, target=spec.gpu_target, options=options)
+    shared = int(compiled.metadata.shared)
+    if spec.is_amd:
+        registers, spills = _amdgcn_registers(compiled.asm["amdgcn"])
+    else:
+        registers, spills = _cubin_registers(compiled.asm["cubin"], compiled.metadata.name)
+    return KernelResources(
+        kernel=fn.__name__,
+        target=r.target,
+        num_warps=r.num_warps,
+        shared_bytes=shared,
+        shared_limit_bytes=spec.shared_per_program_bytes,
+        registers=registers,
+        spills=spills,
+        occupancy=occupancy(spec, r.num_warps, shared, registers),
+    )
+
+
+def _amdgcn_registers(asm: str) -> tuple[int | None, int | None]:
+    """(VGPRs, VGPRs spilled to scratch) from the code object metadata (YAML) in the AMDGCN text."""
+
+    def field(name: str) -> int | None:
+        match = re.search(rf"^\s*\.{name}:\s+(\d+)", asm, re.MULTILINE)
+        return int(match.group(1)) if match else None
+
+    return field("vgpr_count"), field("vgpr_spill_count")
+
+
+def _cubin_registers(cubin: bytes, name: str) -> tuple[int | None, int | None]:
+    """(registers per thread, spilled 32-bit words) from ``cuobjdump -res-usage``; (None,
+    None) when the tool that ships with Triton is unavailable."""
+    try:
+        tool = triton.knobs.nvidia.cuobjdump.path
+    except RuntimeError:  # "Cannot find cuobjdump"
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None, None
+    match = re.search(rf"Function {re.escape(name)}:\s*REG:(\d+).*?LOCAL:(\d+)", out)
+    if match is None:
+        return None, None
+    return int(match.group(1)), int(match.group(2)) // 4
+
+
+def _compile_in_subprocess(requests: list[CompileRequest]) -> list[KernelResources]:
+    jobs = []
+    for r in requests:
+        inner = getattr(r.fn, "fn", None)  # the Python function under a JIT or interpreter wrapper
+        if inner is None or inner.__module__ == "__main__":
+            raise ValueError(f"{r.fn!r}: AOT compilation under TRITON_INTERPRET needs a @triton.jit function "
+                             "defined at the top level of an importable module")
+        jobs.append({"module": inner.__module__, "name": inner.__name__, "signature": r.signature,
+                     "constexprs": r.constexprs, "target": r.target, "num_warps": r.num_warps,
+                     "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16)})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included
+    proc = subprocess.run(
+        [sys.executable, "-c", f"from {__name__} import _subprocess_main; _subprocess_main()"],
+        input=json.dumps(jobs), capture_output=True, text=True, env=env, check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"AOT compilation in a subprocess failed:\n{proc.stderr[-6000:]}")
+    return [KernelResources(**d) for d in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _subprocess_main() -> None:
+    """Compile the JSON job list on stdin; print the resources as one JSON line."""
+    # A kernel module (a test) may set TRITON_INTERPRET when imported: keep compiling.
+    triton.knobs.runtime.interpret = False
+    results = []
+    for job in json.load(sys.stdin):
+        fn = getattr(importlib.import_module(job.pop("module")), job.pop("name"))
+        job["divisible_by_16"] = tuple(job["divisible_by_16"])
+        results.append(asdict(_compile(CompileRequest(fn, **job))))
+    print(json.dumps(results))

@@ -1,0 +1,474 @@
+"""Triton kernels for absorbed MLA attention over the paged latent cache.
+
+Semantics are those of ``torch.ops.k3.mla_decode`` (k3compile/ops/mla.py): an absorbed
+query row of width W = L + R (K3: 576 = 512 latent + 64 k_pe) attends to its sequence's
+cached rows (position p of sequence n lives at
+``kv_cache[block_table[n, p // block_size], p % block_size]``); scores are
+``scale * q.k`` over the full W, values are the first L = ``value_dim`` entries of the
+same rows (the latent is both key and value: MLA's absorbed form). Outputs: ``o`` [.., L]
+in q's dtype and ``lse`` (fp32, natural log), so that attention over disjoint parts of
+a context merges exactly (split-KV here, DCP across ranks); an empty context gives
+o = 0, lse = -inf.
+
+One kernel source, ``_mla_attention_kernel``, is specialised three ways. A program
+takes a tile of query *rows* of one sequence, flattened as (new token, head): in the
+absorbed form all heads share K and V, so rows of different heads and tokens go on the
+M side of one matrix-unit tile and every latent row read from HBM feeds all of them.
+Row (t, h) sees context positions up to t's own (the sequence's new tokens are its last
+positions, already in the cache). Decode is the case of one new token per sequence.
+
+``mla_decode_split_kv``  the FAST decode kernel (flash-decoding). Grid (batch, head
+    tiles of 16, KV splits): 16 heads on the matrix units (``tl.dot``), the context cut
+    into ``num_splits`` chunks so that even batch 1 fills every CU/SM. Each program
+    writes a partial (o, lse) in fp32; ``_combine_splits_kernel`` merges the splits with
+    LSE weights. Head counts must be multiples of 16, so that a tile is 16 heads of one
+    sequence: K3 at TP8 has 12 heads per rank, which a compiler pass pads to 16 (or
+    DCP gathers to 96).
+``mla_decode_generic``  what engines fall back to for other head counts: one program
+    per (batch, head), no split, vector math (a 1-row tile cannot use the matrix units).
+    Correct for any head count, but every head re-reads the context and a batch-1 step
+    runs only H programs, so its time grows with the context.
+``mla_prefill_absorbed``  causal prefill for any head count (K3 at TP8: 12): 16-row
+    tiles of a sequence's (token, head) rows, so 12 heads fill the matrix units too;
+    each tile reads the context only up to its last row's position.
+
+The KV loop reads BLOCK_N cache rows per step (a gather through the block table, any
+block size) as a [BLOCK_N, L] latent tile and a [BLOCK_N, R] k_pe tile; the latent
+tile serves both products (scores and values), so each cache byte is read once. Both
+parts are padded to powers of two (and to 16, the smallest dot) under masks, so the
+same source runs K3's 576/512 and the tiny test widths. The online softmax runs in the
+log2 domain in fp32. Tile sizes come from AOT reports (:mod:`.aot`; the tests compile
+every specialisation for gfx950 and gfx942 and require no spills).
+
+No ``@triton.jit`` helper functions: under TRITON_INTERPRET, Triton 3.9 patches
+``triton.language`` for every helper call and never restores it, which breaks any later
+compilation in the process (the AOT checks of the same test session).
+
+Each kernel has a declaration (:class:`MLAKernel`) of what it accepts; the target
+tables and the head-padding pass derive from ``MLA_DECODE_KERNELS`` /
+``MLA_PREFILL_KERNELS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
+
+#: rows per matrix-unit tile, the M side of the dots: 16 heads (decode) or 16 (token, head) rows
+HEAD_TILE = 16
+#: no KV split is made shorter than this many tokens: a split costs 2 * H * L * 4 bytes of
+#: partial results (written, then read by the combine), ~45% of the KV bytes of a
+#: 128-token split at H = 16, L = 512; shorter splits cost more than their parallelism gives
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 256
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q_ptr, kv_ptr, cu_seqlens_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2, num_heads, num_splits,
+    stride_qt, stride_qh, stride_kvb, stride_kvt, stride_btb,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+    block_size,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Program (sequence n, row tile, KV split): BLOCK_M rows (token, head) of n's new
+    tokens against split's share of the positions they see.
+
+    DECODE: one new token per sequence (cu_seqlens unused), rows are heads.
+    USE_DOT: matrix units (BLOCK_M >= 16); else BLOCK_M is 1 and the row's products are
+    multiply + row sums. FP32_DOT: dots on fp32 copies of the operands (exact for
+    bf16/fp16 values; p is still rounded to the cache dtype first, as on the GPU), set
+    only under TRITON_INTERPRET, whose tl.dot multiplies bf16 bit patterns (triton#11584).
+    o/lse: [tokens, H, splits, L] / [tokens, H, splits] fp32 partials, or with one split
+    (stride_os = stride_ls = 0) the final [tokens, H, L] / [tokens, H] outputs."""
+    n = tl.program_id(0)
+    split = tl.program_id(2)
+    if DECODE:
+        start = n
+        n_new = 1
+    else:
+        start = tl.load(cu_seqlens_ptr + n)
+        n_new = tl.load(cu_seqlens_ptr + n + 1) - start
+    ctx = tl.load(seq_lens_ptr + n)
+
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_new * num_heads
+    tok = rows // num_heads
+    head = rows % num_heads
+    row_end = tl.where(row_ok, ctx - n_new + tok + 1, 0)  # exclusive causal limit of each row
+    # This split's share of [0, last row's limit), in whole BLOCK_N tiles so that only the
+    # last tile of the context is partial; a tile with no rows gets an empty range.
+    tile_end = tl.max(row_end, axis=0)
+    per_split = tl.cdiv(tl.cdiv(tile_end, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = split * per_split
+    kv_end = tl.minimum(kv_start + per_split, tile_end)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    dot_ty = tl.float32 if FP32_DOT else kv_ptr.dtype.element_ty
+    q_row = q_ptr + (start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_lat = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None] & (offs_l[None, :] < L), other=0.0)
+    q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)
+    q_lat = q_lat.to(kv_ptr.dtype.element_ty).to(dot_ty)
+    q_pe = q_pe.to(kv_ptr.dtype.element_ty).to(dot_ty)
+
+    bt_row = block_table_ptr + n.to(tl.int64) * stride_btb
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        block = tl.load(bt_row + pos // block_size, mask=valid, other=0)
+        kv_row = kv_ptr + block.to(tl.int64) * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
+        k_lat = tl.load(kv_row[:, None] + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
+        k_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
+        if USE_DOT:
+            s = tl.dot(q_lat, tl.trans(k_lat.to(dot_ty)), input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), acc=s, input_precision=DOT_PRECISION)
+        else:  # one row: it broadcasts over the tile's positions
+            s = tl.sum(q_lat.to(tl.float32) * k_lat.to(tl.float32), axis=1)[None, :]
+            s += tl.sum(q_pe.to(tl.float32) * k_pe.to(tl.float32), axis=1)[None, :]
+        s = tl.where(pos[None, :] < row_end[:, None], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no visible position yet keeps m = -inf; subtracting 0 instead keeps
+        # its exp2 terms at 0 rather than NaN (-inf - -inf).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(k_lat.dtype).to(dot_ty), k_lat.to(dot_ty), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(tl.trans(p) * k_lat.to(tl.float32), axis=0)[None, :]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # An empty range leaves l = 0, m = -inf: o = 0 and lse = -inf + log2(0) = -inf.
+    o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+    out_tok = (start + tok).to(tl.int64)
+    o_row = o_ptr + out_tok * stride_ot + head * stride_oh + split * stride_os
+    tl.store(o_row[:, None] + offs_l[None, :], o, mask=row_ok[:, None] & (offs_l[None, :] < L))
+    lse = (m_i + tl.log2(l_i)) * _LN2
+    tl.store(lse_ptr + out_tok * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,
+    stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
+    stride_ob, stride_oh, stride_lb, stride_lh,
+    num_splits,
+    L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (b, h): o = sum_s exp(lse_s - lse) o_s, lse = ln sum_s exp(lse_s). Empty
+    splits have lse_s = -inf and weigh 0; all empty gives o = 0, lse = -inf."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_l = tl.arange(0, BLOCK_L)
+    lse_row = lse_part_ptr + b * stride_lpb + h * stride_lph
+    m = tl.max(tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf")), axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights exp(-inf) = 0, not NaN
+    total = 0.0
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    part = o_part_ptr + b * stride_pb + h * stride_ph
+    for s in range(num_splits):  # one split's row at a time: splits x L fp32 would not fit registers
+        w = tl.exp(tl.load(lse_row + s) - m)
+        total += w
+        acc += w * tl.load(part + s * stride_ps + offs_l, mask=offs_l < L, other=0.0)
+    o = tl.where(total > 0, acc / total, 0.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_l, o, mask=offs_l < L)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh, m + tl.log(total))
+
+
+#: TRITON_INTERPRET was set when this module was imported: @triton.jit made interpreter wrappers
+_INTERPRETED = not isinstance(_mla_attention_kernel, JITFunction)
+
+
+# ---------------------------------------------------------------------------------------
+# Declarations
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAKernel:
+    """What one MLA kernel accepts; target tables and the pad-heads pass read these.
+
+    ``qk_dim`` / ``value_dim`` are the widest shapes the kernel is built and AOT-checked
+    for (K3: 576 / 512); narrower latent (value) and k_pe parts use smaller tiles."""
+
+    name: str
+    phase: str  # "decode" | "prefill"
+    head_multiple: int  # num_heads must be a multiple of this
+    dtypes: tuple[torch.dtype, ...]  # of q and the cache (the same)
+    qk_dim: int
+    value_dim: int
+    splits_kv: bool  # parallel over the context (batch 1 fills the GPU)
+    launch: Callable[..., tuple[Tensor, Tensor]] = field(repr=False, compare=False)
+
+    def reason_rejected(self, num_heads: int, dtype: torch.dtype, qk_dim: int, value_dim: int) -> str | None:
+        if num_heads < 1 or num_heads % self.head_multiple:
+            return f"{self.name} needs a head count that is a multiple of {self.head_multiple}, got {num_heads}"
+        if dtype not in self.dtypes:
+            return f"{self.name} supports dtypes {[str(d) for d in self.dtypes]}, got {dtype}"
+        if not 0 < value_dim <= self.value_dim:
+            return f"{self.name} supports value_dim in 1..{self.value_dim}, got {value_dim}"
+        if not 0 <= qk_dim - value_dim <= self.qk_dim - self.value_dim:
+            return (f"{self.name} needs qk_dim - value_dim (the k_pe part) in 0..{self.qk_dim - self.value_dim}, "
+                    f"got {qk_dim} - {value_dim}")
+        return None
+
+    def accepts(self, num_heads: int, dtype: torch.dtype, qk_dim: int, value_dim: int) -> bool:
+        return self.reason_rejected(num_heads, dtype, qk_dim, value_dim) is None
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Launch configuration (shared by the launchers and the AOT check)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel specialisation as the launchers run it: what aot.compile_for_target needs."""
+
+    name: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int = 1
+
+
+# 4 warps everywhere: with 8, AMD's 16-row MFMA tiles are replicated across more warps
+# and the split-KV kernel spills VGPRs at 32-row KV tiles (AOT reports).
+_NUM_WARPS = 4
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int:
+    """KV rows per tile, from the AOT reports (tests/test_kernel_mla_decode.py prints them).
+
+    Matrix-unit tiles (split-KV decode, prefill): a 16-row MFMA tile does not split
+    across warps, so on AMD every warp holds the whole 16 x 512 query operand and its own
+    K operand. 16 KV rows need 316 (gfx950) / 271 (gfx942) of the 512 VGPRs; 32 rows
+    414 / 489, still unspilled but at the edge, for the same occupancy (1 wave per SIMD);
+    64 rows spill to scratch. Until measured on an MI355X, 16. On sm_90, 32 rows use 255
+    registers and 58 KiB of shared memory without spills (64 rows: 90 KiB, same
+    occupancy). fp32 rows are twice as wide: half as many (at least 16, the smallest
+    dot). Generic kernel: 16, its [16, L] fp32 product lives in registers."""
+    rows = 32 if matrix_units and backend == "cuda" else 16
+    return max(16, rows // 2) if dtype == torch.float32 else rows
+
+
+def _backend() -> str:
+    """"hip" on ROCm builds of torch, else "cuda" (also the interpreter's choice)."""
+    return "hip" if torch.version.hip else "cuda"
+
+
+def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype: torch.dtype, block_n: int,
+                          interpreted: bool = _INTERPRETED) -> dict[str, object]:
+    L, R = value_dim, qk_dim - value_dim
+    matrix_units = kernel is not GENERIC
+    return {
+        "L": L, "R": R,
+        "BLOCK_L": max(16, triton.next_power_of_2(L)), "BLOCK_R": max(16, triton.next_power_of_2(R)),
+        "BLOCK_M": HEAD_TILE if matrix_units else 1, "BLOCK_N": block_n,
+        "DECODE": kernel.phase == "decode", "USE_DOT": matrix_units,
+        # fp32 inputs: exact products (the default tf32 would drop 13 mantissa bits)
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
+        "FP32_DOT": interpreted,
+    }
+
+
+def _combine_constexprs(value_dim: int, num_splits: int) -> dict[str, object]:
+    return {"L": value_dim, "BLOCK_L": triton.next_power_of_2(value_dim), "BLOCK_S": triton.next_power_of_2(num_splits)}
+
+
+def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
+    """Triton types of fn's arguments: the named pointers, constexprs, scale_log2 fp32, i32 rest."""
+    def ty(a: str) -> str:
+        return f"*{pointers[a]}" if a in pointers else "constexpr" if a in constexprs else \
+            "fp32" if a == "scale_log2" else "i32"
+    return {a: ty(a) for a in fn.arg_names}
+
+
+def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
+                 num_splits: int = 64) -> list[KernelLaunch]:
+    """Every kernel of this module as the launchers specialise it on ``backend`` ("hip" or
+    "cuda"), for AOT checks with aot.compile_for_target."""
+    t = _TRITON_DTYPE[dtype]
+    launches = []
+    for kernel in (*MLA_DECODE_KERNELS, *MLA_PREFILL_KERNELS):
+        c = _attention_constexprs(kernel, qk_dim, value_dim, dtype,
+                                  default_block_n(kernel is not GENERIC, backend, dtype), interpreted=False)
+        ptrs = {"q_ptr": t, "kv_ptr": t, "cu_seqlens_ptr": "i32", "block_table_ptr": "i32", "seq_lens_ptr": "i32",
+                "o_ptr": "fp32" if kernel.splits_kv else t, "lse_ptr": "fp32"}  # split-KV writes fp32 partials
+        launches.append(KernelLaunch(kernel.name, _mla_attention_kernel, _signature(_mla_attention_kernel, ptrs, c),
+                                     c, _NUM_WARPS))
+    c = _combine_constexprs(value_dim, num_splits)
+    ptrs = {"o_part_ptr": "fp32", "lse_part_ptr": "fp32", "o_ptr": t, "lse_ptr": "fp32"}
+    launches.append(KernelLaunch("mla_decode_combine_splits", _combine_splits_kernel,
+                                 _signature(_combine_splits_kernel, ptrs, c), c, _NUM_WARPS))
+    return launches
+
+
+# ---------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------
+
+
+def _check_inputs(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                  value_dim: int) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 3:
+        raise ValueError(f"{kernel.name}: q must be 3-D and kv_cache [num_blocks, block_size, W], "
+                         f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    if q.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"{kernel.name}: q width {q.shape[-1]} != cache width {kv_cache.shape[-1]}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"{kernel.name}: q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must have one dtype")
+    reason = kernel.reason_rejected(q.shape[1], q.dtype, q.shape[-1], value_dim)
+    if reason is not None:
+        raise ValueError(reason)
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"{kernel.name}: block_table and seq_lens must be int32")
+    N = seq_lens.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != N or seq_lens.dim() != 1:
+        raise ValueError(f"{kernel.name}: block_table must be [N, max_blocks] and seq_lens [N], "
+                         f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"{kernel.name}: kv_cache rows must be contiguous (the cache is never copied)")
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Uninitialised outputs and scratch; NaN-filled under the interpreter, so that tests
+    see any element a kernel fails to write (on a GPU the fill would cost a launch)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if _INTERPRETED else t
+
+
+def _compute_units(device: torch.device) -> int:
+    if device.type == "cuda":  # ROCm reports CUs here too
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the CPU interpreter: any small number exercises the split path
+
+
+def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int) -> int:
+    """KV splits for the split-KV kernel: enough for one program per CU/SM
+    (batch x head tiles x splits >= num_sms), none shorter than MIN_SPLIT_TOKENS.
+    ``max_context`` is the block table's capacity, a static bound (CUDA graphs)."""
+    programs = batch * triton.cdiv(num_heads, HEAD_TILE)
+    want = triton.cdiv(num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor | None, block_table: Tensor,
+            seq_lens: Tensor, scale: float, value_dim: int, num_splits: int, max_new_tokens: int,
+            block_n: int | None) -> tuple[Tensor, Tensor]:
+    """Run ``kernel`` on rows q [tokens, H, W]; decode has one token per sequence."""
+    _check_inputs(kernel, q, kv_cache, block_table, seq_lens, value_dim)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    T, H, W = q.shape
+    o = _empty((T, H, value_dim), q.dtype, q.device)
+    lse = _empty((T, H), torch.float32, q.device)
+    if T == 0 or max_new_tokens == 0:
+        return o, lse
+    block_n = block_n or default_block_n(kernel is not GENERIC, _backend(), q.dtype)
+    c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n)
+    if num_splits == 1:  # the programs' results are final: no partials, no combine
+        o_part, lse_part = o, lse
+        o_strides, lse_strides = (*o.stride()[:2], 0), (*lse.stride(), 0)
+    else:
+        o_part = _empty((T, H, num_splits, value_dim), torch.float32, q.device)
+        lse_part = _empty((T, H, num_splits), torch.float32, q.device)
+        o_strides, lse_strides = o_part.stride()[:3], lse_part.stride()
+    grid = (seq_lens.shape[0], triton.cdiv(max_new_tokens * H, c["BLOCK_M"]), num_splits)
+    _mla_attention_kernel[grid](
+        q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, o_part, lse_part,
+        scale * LOG2E, H, num_splits,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        *o_strides, *lse_strides,
+        kv_cache.shape[1],
+        **c, num_warps=_NUM_WARPS, num_stages=1,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(T, H)](
+            o_part, lse_part, o, lse,
+            *o_part.stride()[:3], *lse_part.stride()[:2], *o.stride()[:2], *lse.stride(),
+            num_splits, **_combine_constexprs(value_dim, num_splits), num_warps=_NUM_WARPS,
+        )
+    return o, lse
+
+
+def _check_decode_batch(name: str, q: Tensor, seq_lens: Tensor) -> None:
+    if q.dim() == 3 and seq_lens.dim() == 1 and q.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"{name}: q has {q.shape[0]} sequences, seq_lens {seq_lens.shape[0]}")
+
+
+def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                        value_dim: int = 512, num_splits: int | None = None, num_sms: int | None = None,
+                        block_n: int | None = None) -> tuple[Tensor, Tensor]:
+    """FAST decode: q [B, H, W] with H a multiple of 16 -> (o [B, H, value_dim] in q.dtype,
+    lse [B, H] fp32). ``num_splits`` defaults to :func:`choose_num_splits` for ``num_sms``
+    (default: the device's CU/SM count); ``block_n`` (KV rows per tile, a power of two
+    >= 16) to :func:`default_block_n`."""
+    _check_decode_batch(SPLIT_KV.name, q, seq_lens)
+    if num_splits is None:
+        units = num_sms if num_sms is not None else _compute_units(q.device)
+        num_splits = choose_num_splits(q.shape[0], q.shape[1], block_table.shape[-1] * kv_cache.shape[1], units)
+    if not 1 <= num_splits <= 4096:
+        raise ValueError(f"{SPLIT_KV.name}: num_splits must be in 1..4096, got {num_splits}")
+    return _launch(SPLIT_KV, q, kv_cache, None, block_table, seq_lens, scale, value_dim, num_splits, 1, block_n)
+
+
+def mla_decode_generic(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                       value_dim: int = 512, block_n: int | None = None) -> tuple[Tensor, Tensor]:
+    """GENERIC decode: any head count, one program per (batch, head), no KV split."""
+    _check_decode_batch(GENERIC.name, q, seq_lens)
+    return _launch(GENERIC, q, kv_cache, None, block_table, seq_lens, scale, value_dim, 1, 1, block_n)
+
+
+def mla_prefill_absorbed(q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor, block_table: Tensor, seq_lens: Tensor,
+                         scale: float, value_dim: int = 512, max_new_tokens: int | None = None,
+                         block_n: int | None = None) -> tuple[Tensor, Tensor]:
+    """Causal prefill, absorbed form: q [T, H, W] packed new tokens (sequence i's are rows
+    cu_seqlens[i]:cu_seqlens[i+1], the last of its seq_lens[i] positions, already in the
+    cache) -> (o [T, H, value_dim] in q.dtype, lse [T, H] fp32). ``max_new_tokens`` (the
+    most new tokens of one sequence) sizes the grid; read from cu_seqlens when not given."""
+    N = seq_lens.shape[0]
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (N + 1,):
+        raise ValueError(f"{PREFILL.name}: cu_seqlens must be int32 [{N + 1}], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    if max_new_tokens is None:  # a device sync; prefill runs eagerly
+        max_new_tokens = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
+    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, 1, max_new_tokens,
+                   block_n)
+
+
+SPLIT_KV = MLAKernel("mla_decode_split_kv", "decode", HEAD_TILE, _DTYPES, 576, 512, True, mla_decode_split_kv)
+GENERIC = MLAKernel("mla_decode_generic", "decode", 1, _DTYPES, 576, 512, False, mla_decode_generic)
+PREFILL = MLAKernel("mla_prefill_absorbed", "prefill", 1, _DTYPES, 576, 512, False, mla_prefill_absorbed)
+
+#: fastest first: a caller takes the first kernel that accepts its shape
+MLA_DECODE_KERNELS: list[MLAKernel] = [SPLIT_KV, GENERIC]
+MLA_PREFILL_KERNELS: list[MLAKernel] = [PREFILL]

@@ -1,0 +1,112 @@
+"""AOT compilation reports (runtime/kernels/aot.py) for targets this machine lacks.
+
+TRITON_INTERPRET is set before Triton is imported, as in every test file that imports
+Triton (see tests/test_kernel_mla_decode.py): then aot compiles in a subprocess, which
+these tests exercise; on a GPU machine it compiles in-process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from k3compile.runtime.kernels import aot  # noqa: E402
+
+
+@triton.jit
+def _add_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """One tile C = A @ B: both operands are staged through shared memory (LDS)."""
+    rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b))
+
+
+ADD = ({"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024})
+MATMUL_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "M": "constexpr", "N": "constexpr",
+              "K": "constexpr"}
+SMALL = {"M": 64, "N": 64, "K": 64}  # 8 KiB per operand
+BIG = {"M": 64, "N": 128, "K": 512}  # B is 128 KiB: more than an MI300X CU's LDS, less than an MI355X's
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[tuple[str, str], aot.KernelResources]:
+    """Every compilation of this file in one batch (one subprocess under the interpreter)."""
+    jobs = {
+        ("add", t): aot.CompileRequest(_add_kernel, *ADD, t) for t in ("gfx950", "gfx942", "sm_90")
+    } | {
+        ("small", t): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, SMALL, t) for t in ("gfx950", "gfx942", "sm_90")
+    } | {
+        ("big", t): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, BIG, t) for t in ("gfx950", "gfx942")
+    }
+    return dict(zip(jobs, aot.compile_many(list(jobs.values())), strict=True))
+
+
+def test_elementwise_kernel_needs_no_lds_and_reaches_full_occupancy(reports):
+    for target in ("gfx950", "gfx942"):
+        res = reports["add", target]
+        assert res.kernel == "_add_kernel" and res.target == target and res.num_warps == 4
+        assert res.shared_bytes == 0 and res.spills == 0 and 0 < res.registers <= 32
+        assert res.occupancy == 8 and res.fits  # 8 waves per SIMD: the CDNA maximum
+
+
+def test_matmul_tile_reports_lds_and_fits(reports):
+    for target in ("gfx950", "gfx942"):
+        res = reports["small", target]
+        assert 0 < res.shared_bytes <= 2 * 64 * 64 * 2  # at most both bf16 operands
+        assert res.shared_limit_bytes == aot.TARGETS[target].shared_per_program_bytes
+        assert res.registers > 0 and res.spills == 0 and res.fits
+    assert reports["small", "gfx950"].shared_limit_bytes == 160 * 1024
+    assert reports["small", "gfx942"].shared_limit_bytes == 64 * 1024
+
+
+def test_lds_beyond_mi300x_fits_only_mi355x(reports):
+    big950, big942 = reports["big", "gfx950"], reports["big", "gfx942"]
+    assert 64 * 1024 < big942.shared_bytes <= 160 * 1024
+    assert big950.fits and not big942.fits
+
+
+def test_nvidia_registers_from_the_cubin(reports):
+    res = reports["small", "sm_90"]
+    assert res.shared_limit_bytes == 227 * 1024 and 0 < res.shared_bytes
+    assert res.registers is not None and 0 < res.registers <= 255 and res.spills == 0
+    assert res.occupancy % 4 == 0 and res.occupancy > 0 and res.fits  # whole CTAs of 4 warps
+
+
+def test_unknown_target_is_a_clear_error():
+    known = r"known targets are \['gfx942', 'gfx950', 'sm_90'\]"
+    with pytest.raises(ValueError, match=rf"unknown target 'gfx1200': {known}"):
+        aot.compile_for_target(_add_kernel, *ADD, "gfx1200")
+
+
+def test_occupancy_formulas():
+    mi300, h200 = aot.TARGETS["gfx942"], aot.TARGETS["sm_90"]
+    assert aot.occupancy(mi300, 4, 0, 128) == 4  # 512 VGPRs / 128
+    assert aot.occupancy(mi300, 4, 0, 129) == 3  # allocated in granules of 8: 136
+    assert aot.occupancy(mi300, 4, 40 * 1024, 64) == 1  # one 40 KiB workgroup per 64 KiB CU
+    assert aot.occupancy(mi300, 8, 16 * 1024, 64) == 8  # 4 workgroups x 8 waves / 4 SIMDs
+    assert aot.occupancy(mi300, 4, 0, None) is None
+    # H200: 255 regs -> 8192 per warp -> 8 warps -> 2 CTAs of 4 warps
+    assert aot.occupancy(h200, 4, 59392, 255) == 8
+    assert aot.occupancy(h200, 4, 100 * 1024, 32) == 8  # shared memory: 2 CTAs per SM
+    assert aot.occupancy(h200, 4, 0, 32) == 64  # the 64-warp limit
+
+
+def test_target_facts():
+    assert aot.TARGETS["gfx950"].compute_units == 256 and aot.TARGETS["gfx950"].shared_per_unit_bytes == 160 * 1024
+    assert aot.TARGETS["gfx942"].compute_units == 304 and aot.TARGETS["gfx942"].shared_per_unit_bytes == 64 * 1024
+    assert aot.TARGETS["sm_90"].compute_units == 132 and aot.TARGETS["sm_90"].shared_per_unit_bytes == 228 * 1024

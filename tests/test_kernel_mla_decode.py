@@ -1,0 +1,222 @@
+"""Triton MLA kernels (runtime/kernels/mla_decode.py) against the fp32 torch reference.
+
+Without a GPU the kernels run under the Triton interpreter. TRITON_INTERPRET must be set
+before Triton is first imported (it decides what ``@triton.jit`` makes, triton.language's
+own helpers included), so it is set at the top of this file, before any import of
+Triton. If another module of the session imported Triton first without it, the tests of
+this file run in a child pytest with it (``test_in_an_interpreter_process``). Under the
+interpreter the launchers NaN-fill every output and scratch buffer, so an element a
+kernel fails to write fails the comparison.
+
+Tolerances (bf16 inputs, fp32 reference on the same bf16 values upcast): scores are
+exact products summed in fp32, so lse agrees to fp32 rounding (1e-4 absolute is loose);
+o loses the rounding of the probabilities to bf16 before the value product and of o
+itself to bf16: 2^-9 relative each on a GPU, 2^-8 under Triton 3.9's interpreter, which
+truncates fp32 -> bf16: 1e-2 absolute + 1e-2 relative.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+import pytest  # noqa: E402
+
+import k3compile  # noqa: E402,F401  (registers torch.ops.k3)
+from k3compile.runtime.kernels import aot  # noqa: E402
+from k3compile.runtime.kernels import mla_decode as mk  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not mk._INTERPRETED else "cpu"
+#: no GPU, and Triton was imported before TRITON_INTERPRET was set: run in a child pytest
+IN_CHILD = DEVICE == "cpu" and not (mk._INTERPRETED and aot._language_interpreted())
+
+
+def test_in_an_interpreter_process(request):
+    if not IN_CHILD:
+        pytest.skip("this process interprets (or has a GPU): the tests run here")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _runs_here(request):
+    if IN_CHILD and request.node.originalname != "test_in_an_interpreter_process":
+        pytest.skip("ran in the child pytest of test_in_an_interpreter_process")
+
+
+# The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
+# context's o, log2(0) for its lse): numpy warns, the kernels select the right value.
+pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
+
+O_TOL = {"atol": 1e-2, "rtol": 1e-2}
+LSE_TOL = {"atol": 1e-4, "rtol": 0.0}
+
+
+def paged(lens: list[int], W: int, block_size: int, dtype: torch.dtype, gen: torch.Generator):
+    """A cache whose blocks are handed out in a random order, garbage (large values) in
+    every slot no sequence owns, and a block table whose unused entries point at garbage."""
+    need = [-(-n // block_size) for n in lens]
+    width = max(max(need), 1)
+    num_blocks = sum(need) + 3
+    cache = torch.randn(num_blocks, block_size, W, generator=gen) * 100
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(0, num_blocks, (len(lens), width), generator=gen, dtype=torch.int32)
+    taken = 0
+    for i, (n, k) in enumerate(zip(lens, need, strict=True)):
+        blocks = order[taken:taken + k]
+        taken += k
+        table[i, :k] = blocks.int()
+        ctx = torch.randn(n, W, generator=gen)
+        flat = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        cache.view(-1, W)[flat] = ctx
+    return cache.to(dtype).to(DEVICE), table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+def reference(q, cache, table, seq_lens, scale, value_dim):
+    return torch.ops.k3.mla_decode(q.float().cpu(), cache.float().cpu(), table.cpu(), seq_lens.cpu(), scale, value_dim)
+
+
+def check(got, want, o_tol=O_TOL, lse_tol=LSE_TOL):
+    o, lse = got
+    assert not o.isnan().any() and not lse.isnan().any(), "unwritten (NaN-poisoned) outputs"
+    torch.testing.assert_close(o.float().cpu(), want[0].float(), **o_tol)
+    torch.testing.assert_close(lse.cpu(), want[1], **lse_tol)
+
+
+def case(H: int, L: int, R: int, lens: list[int], block_size: int, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    cache, table, seq_lens = paged(lens, L + R, block_size, dtype, gen)
+    q = torch.randn(len(lens), H, L + R, generator=gen).to(dtype).to(DEVICE)
+    return q, cache, table, seq_lens, (L + R) ** -0.5
+
+
+def test_interpreter_poisons_outputs():
+    """The NaN checks below only mean something if unwritten outputs are NaN."""
+    if mk._INTERPRETED:
+        assert mk._empty((4,), torch.float32, torch.device("cpu")).isnan().all()
+
+
+@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("num_splits", [None, 3])  # None: the default choice, 1 split at these lengths
+def test_split_kv_matches_reference(H, num_splits):
+    # lengths 0 and 1, lengths that are not multiples of the block size or of BLOCK_N
+    q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 37, 70], block_size=16, seed=H)
+    got = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=num_splits, num_sms=4)
+    o, lse = got
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32 and o.shape == (4, H, 64)
+    assert (o[0] == 0).all() and torch.isneginf(lse[0]).all()  # empty context: o = 0, lse = -inf
+    check(got, reference(q, cache, table, seq_lens, scale, 64))
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_split_kv_tiles_and_splits_cover_the_context(block_n):
+    """More splits than tiles (empty splits), block size smaller than a tile, KV rows from
+    two blocks in one tile: every tiling gives the same answer."""
+    q, cache, table, seq_lens, scale = case(16, 64, 8, [45, 3], block_size=4, seed=7)
+    want = reference(q, cache, table, seq_lens, scale, 64)
+    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=5, block_n=block_n), want)
+
+
+def test_split_kv_real_k3_widths():
+    q, cache, table, seq_lens, scale = case(16, 512, 64, [0, 1, 21], block_size=8, seed=3)
+    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 512, num_splits=2),
+          reference(q, cache, table, seq_lens, scale, 512))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_kv_other_dtypes(dtype):
+    q, cache, table, seq_lens, scale = case(16, 64, 8, [9, 30], block_size=16, dtype=dtype, seed=5)
+    tol = ({"atol": 1e-5, "rtol": 1e-5}, {"atol": 1e-5, "rtol": 0.0}) if dtype == torch.float32 else (O_TOL, LSE_TOL)
+    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=2),
+          reference(q, cache, table, seq_lens, scale, 64), *tol)
+
+
+def test_split_kv_rejects_heads_not_multiple_of_16():
+    q, cache, table, seq_lens, scale = case(12, 64, 8, [5], block_size=16)
+    with pytest.raises(ValueError, match="multiple of 16, got 12"):
+        mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64)
+
+
+@pytest.mark.parametrize("H", [3, 12])
+def test_generic_matches_reference(H):
+    q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 29], block_size=8, seed=H)
+    got = mk.mla_decode_generic(q, cache, table, seq_lens, scale, 64)
+    assert torch.isneginf(got[1][0]).all() and (got[0][0] == 0).all()
+    check(got, reference(q, cache, table, seq_lens, scale, 64))
+
+
+def test_generic_real_k3_widths():
+    q, cache, table, seq_lens, scale = case(3, 512, 64, [1, 19], block_size=16, seed=11)
+    check(mk.mla_decode_generic(q, cache, table, seq_lens, scale, 512),
+          reference(q, cache, table, seq_lens, scale, 512))
+
+
+@pytest.mark.parametrize("H", [3, 12])
+def test_prefill_equals_decode_at_every_position(H):
+    """Absorbed causal prefill == mla_decode of each new token over the context up to and
+    including its own position (the definition of causal attention over the cache)."""
+    ctx = [13, 6, 0, 21]  # cached positions after the new tokens were written
+    new = [5, 6, 0, 1]  # chunked prefill, a fresh prompt, an empty sequence, one token
+    _, cache, table, seq_lens, scale = case(H, 64, 8, ctx, block_size=8, seed=20 + H)
+    gen = torch.Generator().manual_seed(H)
+    q = torch.randn(sum(new), H, 72, generator=gen).bfloat16().to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    got = mk.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, 64)
+    seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
+    pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx, new, strict=True)])
+    want = reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, 64)
+    check(got, want)
+
+
+def test_prefill_rejects_bad_cu_seqlens():
+    q, cache, table, seq_lens, scale = case(3, 64, 8, [4, 4], block_size=8)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        mk.mla_prefill_absorbed(q, cache, torch.tensor([0, 1], dtype=torch.int32), table, seq_lens, scale, 64)
+
+
+def test_declarations():
+    fast, generic = mk.MLA_DECODE_KERNELS
+    assert fast.splits_kv and fast.head_multiple == 16 and not generic.splits_kv
+    assert fast.accepts(16, torch.bfloat16, 576, 512) and fast.accepts(96, torch.float16, 576, 512)
+    assert not fast.accepts(12, torch.bfloat16, 576, 512)
+    assert "multiple of 16" in fast.reason_rejected(12, torch.bfloat16, 576, 512)
+    assert generic.accepts(12, torch.bfloat16, 576, 512) and generic.accepts(3, torch.float32, 72, 64)
+    assert "dtypes" in generic.reason_rejected(12, torch.int8, 576, 512)
+    assert "k_pe" in generic.reason_rejected(12, torch.bfloat16, 576 + 64, 512)
+    assert mk.MLA_PREFILL_KERNELS[0].accepts(12, torch.bfloat16, 576, 512)
+    assert fast.launch is mk.mla_decode_split_kv
+
+
+def test_num_splits_fill_the_gpu():
+    # batch 1 at 32K: one program per CU of an MI355X; splits never shorter than 128 tokens
+    assert mk.choose_num_splits(1, 16, 32768, 256) == 256
+    assert mk.choose_num_splits(1, 16, 32768, 132) == 132
+    assert mk.choose_num_splits(16, 16, 32768, 256) == 16
+    assert mk.choose_num_splits(1, 16, 1024, 256) == 8
+    assert mk.choose_num_splits(64, 96, 1024, 132) == 1
+
+
+def test_every_kernel_compiles_and_fits_amd_targets():
+    """Real K3 widths (576/512, 16-row tiles) as the launchers specialise them on ROCm,
+    for MI355X and MI300X: within LDS, no VGPRs spilled to scratch, at least one wave."""
+    launches = mk.aot_launches("hip", qk_dim=576, value_dim=512, dtype=torch.bfloat16)
+    requests = [aot.CompileRequest(launch.fn, launch.signature, launch.constexprs, target, launch.num_warps,
+                                   launch.num_stages)
+                for target in ("gfx950", "gfx942") for launch in launches]
+    results = aot.compile_many(requests)  # one subprocess under the interpreter
+    names = [launch.name for launch in launches] * 2
+    for name, res in zip(names, results, strict=True):
+        print(f"{name}: {res}")
+        assert res.fits and res.spills == 0 and res.occupancy >= 1, (name, res)
+        assert res.shared_bytes <= aot.TARGETS[res.target].shared_per_program_bytes
+        if name != "mla_decode_combine_splits":  # the matrix-unit tiles do stage through LDS
+            assert res.shared_bytes > 0 and res.registers > 64
