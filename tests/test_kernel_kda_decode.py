@@ -1,0 +1,341 @@
+"""Fused KDA decode kernel: against the unfused chain of k3 ops (Triton interpreter on CPU),
+argument checks, the launch plan, and AOT compilation for gfx950 / gfx942 / sm_90 at K3 shapes.
+
+Triton modes. ``@triton.jit`` makes an interpreter wrapper or a compilable function when the
+decorator runs, reading TRITON_INTERPRET then, and triton.language's own jit functions
+(``tl.sum``, ``tl.sigmoid``) are made when triton is first imported. So, as in every test file
+that imports Triton, TRITON_INTERPRET is set at the top, before Triton is imported (no GPU).
+The interpreter tests need the kernel and triton.language both interpreted; AOT compilation
+needs a compilable kernel (aot compiles in a subprocess when triton.language is interpreted).
+When another module of the session imported Triton before the variable was set, the kernel is
+interpreted but triton.language is not, and neither works here: those tests then run in one
+child pytest per mode, started with the right environment, and pass here if their twins
+passed there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter as triton_interpreter  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from k3compile.runtime.kernels import aot  # noqa: E402
+from k3compile.runtime.kernels import kda_decode as kda  # noqa: E402
+
+STATE_NAMES = ("conv_state_q", "conv_state_k", "conv_state_v", "state")
+
+KERNEL_INTERPRETED = not isinstance(kda.kda_decode_kernel, JITFunction)
+# What each mode needs, and whether this process has it.
+CAN_INTERPRET = KERNEL_INTERPRETED and aot._language_interpreted()
+CAN_COMPILE = not KERNEL_INTERPRETED or aot._language_interpreted()
+_CHILD_ENV = "K3_TEST_KDA_DECODE_CHILD"
+# The tests that need one mode (each starts with runs_here); a child runs only these.
+_MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain", "compile": "test_aot_compiles_and_fits"}
+_child_runs: dict[str, tuple[dict[str, str], str]] = {}
+
+
+def _run_child(mode: str, rootdir: Path) -> tuple[dict[str, str], str]:
+    """Run the tests of ``mode`` in a child pytest set up for it: ({node id: outcome}, output)."""
+    env = {**os.environ, _CHILD_ENV: "1"}
+    if mode == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
+           "-k", _MODE_TESTS[mode]]
+    proc = subprocess.run(cmd, check=False, cwd=rootdir, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    lines = re.finditer(r"^(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$", output, re.MULTILINE)
+    outcomes = {m.group(2): m.group(1) for m in lines}
+    return outcomes, output
+
+
+def runs_here(request: pytest.FixtureRequest, mode: str) -> bool:
+    """True if this process can run a test of ``mode`` ("interpret" or "compile"). Otherwise
+    the test has run in a child pytest of that mode (asserted passed here): return."""
+    if CAN_INTERPRET if mode == "interpret" else CAN_COMPILE:
+        return True
+    if os.environ.get(_CHILD_ENV):
+        pytest.fail(f"the child pytest for {mode} cannot {mode} either")
+    if mode not in _child_runs:
+        _child_runs[mode] = _run_child(mode, request.config.rootpath)
+    outcomes, output = _child_runs[mode]
+    outcome = outcomes.get(request.node.nodeid)
+    assert outcome == "PASSED", f"{request.node.nodeid}: {outcome} in the child pytest\n{output[-8000:]}"
+    return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_rounds_bf16_to_nearest_even():
+    """GPUs (and torch) round fp32 -> bf16 to nearest even; Triton 3.9's interpreter truncates
+    (``_convert_float`` without a rounding mode). The chain rounds to the model dtype at three
+    places, so without this the bf16 comparison could only be loose. Restored after the module."""
+    original = triton_interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return triton_interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+        yield
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    head_dim: int
+    head_dim_v: int
+    block_v: int | None  # None: the launcher's choice (BV == DV on CPU)
+    dtype: torch.dtype
+    num_slots: int = 8
+    conv_kernel: int = 4
+
+
+def make_inputs(case: Case, seed: int) -> tuple[dict[str, object], list[dict[str, torch.Tensor]]]:
+    """Weights and states (shared by both paths) and two decode steps of per-token inputs.
+    Slots: a random subset of the state rows in random order."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float32, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+    B, H, D, DV, K, S, act = (case.batch, case.heads, case.head_dim, case.head_dim_v, case.conv_kernel,
+                              case.num_slots, case.dtype)
+    fixed: dict[str, object] = {
+        "conv_weight_q": randn(H * D, K, std=0.5),
+        "conv_weight_k": randn(H * D, K, std=0.5),
+        "conv_weight_v": randn(H * DV, K, std=0.5),
+        "conv_state_q": randn(S, H * D, K - 1, dtype=act),
+        "conv_state_k": randn(S, H * D, K - 1, dtype=act),
+        "conv_state_v": randn(S, H * DV, K - 1, dtype=act),
+        "A_log": randn(H, std=0.5),
+        "dt_bias": randn(H * D),
+        "lower_bound": -5.0,
+        "state": randn(S, H, D, DV, std=0.3),
+        "slots": torch.randperm(S, generator=gen)[:B],
+        "scale": D**-0.5,
+        "norm_weight": 1.0 + randn(DV, std=0.2),
+        "eps": 1e-5,
+    }
+    steps = [
+        {"q": randn(B, H * D, dtype=act), "k": randn(B, H * D, dtype=act), "v": randn(B, H * DV, dtype=act),
+         "a": randn(B, H * D, dtype=act), "beta": randn(B, H, dtype=act), "gate": randn(B, H * DV, dtype=act)}
+        for _ in range(2)
+    ]
+    return fixed, steps
+
+
+def _with_own_states(fixed: dict[str, object]) -> dict[str, object]:
+    return {name: value.clone() if name in STATE_NAMES else value for name, value in fixed.items()}
+
+
+# --------------------------------------------------------------------------- fused vs unfused
+
+CASES = [
+    Case(batch=1, heads=3, head_dim=16, head_dim_v=16, block_v=4, dtype=torch.float32),  # 4 value tiles
+    Case(batch=3, heads=3, head_dim=32, head_dim_v=32, block_v=8, dtype=torch.bfloat16),  # 4 value tiles
+    Case(batch=5, heads=3, head_dim=32, head_dim_v=32, block_v=None, dtype=torch.float32),  # 1 tile per head
+    Case(batch=5, heads=2, head_dim=16, head_dim_v=32, block_v=8, dtype=torch.bfloat16),  # DV != D
+    Case(batch=3, heads=2, head_dim=16, head_dim_v=16, block_v=8, dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c.batch}-H{c.heads}-D{c.head_dim}x{c.head_dim_v}-"
+                         f"BV{c.block_v}-{str(c.dtype).removeprefix('torch.')}")
+def test_fused_matches_unfused_chain(request: pytest.FixtureRequest, case: Case) -> None:
+    """Two consecutive steps (the second runs on the first one's states and reused arrival
+    counters): output and all four states after each step; rows of unused slots untouched;
+    the first step writes into a NaN-filled output buffer."""
+    if not runs_here(request, "interpret"):
+        return
+    fixed, steps = make_inputs(case, seed=case.batch * 100 + case.head_dim)
+    initial = _with_own_states(fixed)
+    fused, ref = _with_own_states(fixed), _with_own_states(fixed)
+    low_precision = case.dtype != torch.float32
+    for i, step in enumerate(steps):
+        out = None
+        if i == 0:
+            out = torch.full((case.batch, case.heads, case.head_dim_v), float("nan"), dtype=case.dtype)
+        y = kda.kda_decode_fused(**step, **fused, out=out, block_v=case.block_v)
+        y_ref = kda.kda_decode_chain_reference(**step, **ref)
+        if out is not None:
+            assert y is out
+        assert y.dtype == case.dtype and y.shape == (case.batch, case.heads, case.head_dim_v)
+        assert not y.isnan().any()
+        if low_precision:  # allows a one-ulp rounding flip of the output
+            torch.testing.assert_close(y, y_ref)
+        else:
+            torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused["state"], ref["state"], rtol=1e-5, atol=1e-5)
+        for name in ("conv_state_q", "conv_state_k", "conv_state_v"):
+            assert torch.equal(fused[name], ref[name]), f"{name} after step {i}"
+
+    unused = sorted(set(range(case.num_slots)) - set(fixed["slots"].tolist()))
+    for name in STATE_NAMES:
+        assert torch.equal(fused[name][unused], initial[name][unused]), name
+        assert not torch.equal(fused[name][fixed["slots"]], initial[name][fixed["slots"]]), name
+
+
+def test_reference_chain_matches_independent_math() -> None:
+    """The reference chain against the K3 math written out here, with fla's naive gate and
+    recurrent step (fp32): conv + SiLU, L2 norm of q and k, one delta-rule step, gated RMSNorm."""
+    pytest.importorskip("fla")
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    from k3compile.ops.kda import l2norm
+
+    case = Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=None, dtype=torch.float32)
+    B, H, D, DV = case.batch, case.heads, case.head_dim, case.head_dim_v
+    fixed, steps = make_inputs(case, seed=7)
+    step, slots = steps[0], fixed["slots"]
+    ref = _with_own_states(fixed)
+    y = kda.kda_decode_chain_reference(**step, **ref)
+
+    def conv(name: str, width: int) -> torch.Tensor:
+        window = torch.cat([fixed[f"conv_state_{name}"][slots], step[name][:, :, None]], dim=2)
+        return torch.nn.functional.silu((window * fixed[f"conv_weight_{name}"]).sum(-1)).view(B, 1, H, width)
+
+    g = naive_kda_lowerbound_gate(step["a"].view(B, 1, H, D), fixed["A_log"], fixed["dt_bias"], fixed["lower_bound"])
+    o, S = naive_recurrent_kda(
+        l2norm(conv("q", D)), l2norm(conv("k", D)), conv("v", DV), g, torch.sigmoid(step["beta"]).view(B, 1, H),
+        scale=fixed["scale"], initial_state=fixed["state"][slots], output_final_state=True,
+    )
+    o = o[:, 0]
+    expect = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + fixed["eps"]) * fixed["norm_weight"]
+    expect = expect * torch.sigmoid(step["gate"].view(B, H, DV))
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref["state"][slots], S, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _good_args(case: Case = Case(2, 2, 16, 16, 8, torch.bfloat16)) -> dict[str, object]:
+    fixed, steps = make_inputs(case, seed=3)
+    return {**steps[0], **fixed}
+
+
+BAD_INPUTS = [
+    ("state-fp16", lambda a: a.update(state=a["state"].half()), "state must be float32"),
+    ("state-3-D", lambda a: a.update(state=a["state"][0]), "state must be a [S, H, D, DV] tensor"),
+    ("head-dim-24", lambda a: a.update(state=torch.zeros(8, 2, 24, 24)), "head dims must be powers of two"),
+    ("q-transposed", lambda a: a.update(q=a["q"].t().contiguous().t()), "q must be contiguous"),
+    ("k-fp32", lambda a: a.update(k=a["k"].float()), "k must be bfloat16"),
+    ("v-too-narrow", lambda a: a.update(v=a["v"][:, :-1].contiguous()), "v must have shape [2, 32]"),
+    ("conv-weight-bf16", lambda a: a.update(conv_weight_v=a["conv_weight_v"].bfloat16()),
+     "conv_weight_v must be float32"),
+    ("conv-state-K", lambda a: a.update(conv_state_k=a["conv_state_k"][..., :2].contiguous()),
+     "conv_state_k must have shape [8, 32, 3]"),
+    ("A_log-per-channel", lambda a: a.update(A_log=torch.zeros(32)), "A_log must have shape [2]"),
+    ("slots-int32", lambda a: a.update(slots=a["slots"].int()), "slots must be int64"),
+    ("slots-too-few", lambda a: a.update(slots=a["slots"][:1]), "slots must have shape [2]"),
+    ("gate-on-meta", lambda a: a.update(gate=a["gate"].to("meta")), "gate is on meta"),
+    ("beta-int", lambda a: a.update(beta=a["beta"].to(torch.int32)), "beta must be"),
+    ("out-fp32", lambda a: a.update(out=torch.empty(2, 2, 16)), "out must be bfloat16"),
+    ("block_v-12", lambda a: a.update(block_v=12), "block_v must be a power of two dividing DV=16"),
+    ("block_v-32", lambda a: a.update(block_v=32), "block_v must be a power of two dividing DV=16"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_raise_clear_errors(mutate, message: str) -> None:
+    """Checked before anything is launched, in either Triton mode."""
+    args = _good_args()
+    mutate(args)
+    before = {name: args[name].clone() for name in STATE_NAMES}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kda.kda_decode_fused(**args)
+    for name in STATE_NAMES:  # nothing was launched
+        assert torch.equal(args[name], before[name])
+
+
+def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled kernel cannot take CPU tensors: a clear error, not a driver failure."""
+    if KERNEL_INTERPRETED:  # as the module would be without TRITON_INTERPRET (never launched)
+        monkeypatch.setattr(kda, "kda_decode_kernel", JITFunction(kda.kda_decode_kernel.fn))
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kda.kda_decode_fused(**_good_args())
+
+
+# --------------------------------------------------------------------------- launch plan
+
+K3_HEADS, K3_HEAD_DIM = 12, 128  # per rank at TP8
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
+def test_launch_plan_fills_the_gpu(target: str) -> None:
+    """Workgroups per launch at K3 per-rank shapes: batch 1 still launches 96 (one per value
+    tile of 16), and wider tiles are used only once the batch gives every CU two programs."""
+    units = aot.TARGETS[target].compute_units
+    for batch in (1, 8, 64, 256):
+        bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
+        programs = np.prod(kda.launch_grid(batch, K3_HEADS, K3_HEAD_DIM, bv))
+        assert programs == batch * K3_HEADS * K3_HEAD_DIM // bv
+        assert programs >= 2 * units or bv == kda.MIN_BLOCK_V, (batch, bv, programs)
+        if bv < K3_HEAD_DIM:  # the next wider tile would have left CUs without a second program
+            assert programs // 2 < 2 * units
+    assert kda.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
+    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == K3_HEAD_DIM
+
+
+def test_bytes_floor_is_the_state() -> None:
+    state = 2 * K3_HEADS * K3_HEAD_DIM * K3_HEAD_DIM * 4
+    one = kda.bytes_moved(1, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, 4, 2)
+    assert one == 1_727_056 and state / one > 0.9
+    assert kda.bytes_moved(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, 4, 2) / (64 * state) < 1.05
+
+
+# --------------------------------------------------------------------------- AOT
+
+
+AOT_TARGETS = ("gfx950", "gfx942", "sm_90")
+AOT_BLOCK_VS = (16, 32, 64, 128)  # every tile width the launcher may pick
+
+
+@functools.cache
+def _aot_resources() -> dict[tuple[str, int], aot.KernelResources]:
+    """All AOT compilations of this file in one batch (one subprocess when interpreting)."""
+    keys, requests = [], []
+    for target in AOT_TARGETS:
+        for block_v in AOT_BLOCK_VS:
+            signature, constexprs, num_warps = kda.aot_signature(
+                torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=block_v
+            )
+            keys.append((target, block_v))
+            requests.append(aot.CompileRequest(kda.kda_decode_kernel, signature, constexprs, target, num_warps))
+    return dict(zip(keys, aot.compile_many(requests), strict=True))
+
+
+@pytest.mark.parametrize("target", AOT_TARGETS)
+@pytest.mark.parametrize("block_v", AOT_BLOCK_VS)
+def test_aot_compiles_and_fits(request: pytest.FixtureRequest, target: str, block_v: int) -> None:
+    """K3 per-rank shapes with bf16 activations: fits, state tile in registers, no spills."""
+    if not runs_here(request, "compile"):
+        return
+    res = _aot_resources()[(target, block_v)]
+    assert res.fits, res
+    assert res.shared_bytes <= 16 * 1024, res  # reductions only: the state tile lives in registers
+    assert res.spills in (0, None), res
