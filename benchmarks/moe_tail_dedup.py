@@ -10,7 +10,10 @@ The tail as the compiled graphs run it (the k3 ops and aten calls of the decode 
              acc = k3.add_rank_block(shared_partial, aten.linear(y, W_up[rows of rank 3] [896, 3584]), start, 1)
              (the all-reduce that follows exists in both graphs and is not timed)
 
-Every variant runs under a CUDA graph that holds the tails of ``--layers`` distinct
+Each is timed twice: with the k3 ops' torch references (RMSNorm and add_rank_block are
+several small kernels each) and with the runtime's row kernels registered for them
+(``runtime/kernels/rows.py``: one launch each), as the runtime runs on a GPU. Every
+variant runs under a CUDA graph that holds the tails of ``--layers`` distinct
 layers back to back (distinct weights, more bytes than the 50 MB L2 of an H200), so each
 call reads its weights from HBM as in a real decode step; time per layer = median graph
 time / layers. Peers in the same run: a bare cuBLAS GEMV of the full and of the 896-row
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
+from k3compile.runtime.kernels.rows import register_cuda_kernels
 
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
 
@@ -84,40 +88,56 @@ def main() -> None:
     # with partial = shared and the other ranks' rows added too, the result must match.
     routed = torch.randn(8, LATENT, generator=gen, device="cuda", dtype=torch.bfloat16)
     shared = torch.randn(8, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
-    full = tail_before(routed, shared, layers[0]).float()
-    acc = shared
-    for r in range(TP):
-        w = {"w_norm": layers[0]["w_norm"], "w_rows": layers[0]["w_up"][r * ROWS:(r + 1) * ROWS]}
-        acc = tail_after(routed, acc, w, torch.tensor(r * ROWS, device="cuda"))
-    err = (acc.float() - full).abs().max().item() / full.abs().max().item()
-    if err > 2e-2:
-        raise SystemExit(f"after != before: relative error {err:.3e}")
+    def check() -> float:
+        full = tail_before(routed, shared, layers[0]).float()
+        acc = shared
+        for r in range(TP):
+            w = {"w_norm": layers[0]["w_norm"], "w_rows": layers[0]["w_up"][r * ROWS:(r + 1) * ROWS]}
+            acc = tail_after(routed, acc, w, torch.tensor(r * ROWS, device="cuda"))
+        err = (acc.float() - full).abs().max().item() / full.abs().max().item()
+        if err > 2e-2:
+            raise SystemExit(f"after != before: relative error {err:.3e}")
+        return err
+
+    err = check()
 
     bandwidth = copy_bandwidth(1 << 30, 20)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth": bandwidth,
                "check_rel_error": err, "layers": args.layers, "rows": []}
-    for batch in [int(b) for b in args.batches.split(",")]:
-        routed = torch.randn(batch, LATENT, generator=gen, device="cuda", dtype=torch.bfloat16)
-        shared = torch.randn(batch, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
+    batches = [int(b) for b in args.batches.split(",")]
+    inputs = {b: (torch.randn(b, LATENT, generator=gen, device="cuda", dtype=torch.bfloat16),
+                  torch.randn(b, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)) for b in batches}
+
+    def time_tails(b: int) -> tuple[float, float]:
+        routed, shared = inputs[b]
+        before = graph_time([lambda l=l: tail_before(routed, shared, l) for l in layers], args.repeats)
+        after = graph_time([lambda l=l: tail_after(routed, shared, l, start) for l in layers], args.repeats)
+        return before, after
+
+    reference = {b: time_tails(b) for b in batches}  # the k3 ops' torch references
+    register_cuda_kernels()  # from here on the k3 ops run the runtime's row kernels
+    results["check_rel_error_row_kernels"] = check()
+    for b in batches:
+        routed, shared = inputs[b]
         y = torch.ops.k3.rms_norm(routed, layers[0]["w_norm"], EPS)
-        times = {
-            "before": graph_time([lambda l=l: tail_before(routed, shared, l) for l in layers], args.repeats),
-            "after": graph_time([lambda l=l: tail_after(routed, shared, l, start) for l in layers], args.repeats),
+        before, after = time_tails(b)
+        results["rows"].append({
+            "batch": b, "before": before, "after": after,
+            "before_ref": reference[b][0], "after_ref": reference[b][1],
             "gemv_full": graph_time([lambda l=l: F.linear(y, l["w_up"]) for l in layers], args.repeats),
             "gemv_rows": graph_time([lambda l=l: F.linear(y, l["w_rows"]) for l in layers], args.repeats),
-        }
-        floor_before = tail_bytes(batch, HIDDEN) / bandwidth
-        floor_after = tail_bytes(batch, ROWS) / bandwidth
-        results["rows"].append({"batch": batch, **times, "floor_before": floor_before, "floor_after": floor_after})
+            "floor_before": tail_bytes(b, HIDDEN) / bandwidth, "floor_after": tail_bytes(b, ROWS) / bandwidth,
+        })
 
     us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
     print(f"{results['device']}, torch {results['torch']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"{args.layers} layers per graph, check rel. error {err:.1e}\n")
-    print("| batch | before us | after us | speedup | floor before us | floor after us | after / floor "
-          "| cuBLAS GEMV 7168 rows us | 896 rows us |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| batch | before us | after us | speedup | before, torch ref ops us | after, torch ref ops us "
+          "| speedup | floor before us | floor after us | after / floor | cuBLAS GEMV 7168 rows us | 896 rows us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         print(f"| {r['batch']} | {us(r['before'])} | {us(r['after'])} | {r['before'] / r['after']:.2f}x "
+              f"| {us(r['before_ref'])} | {us(r['after_ref'])} | {r['before_ref'] / r['after_ref']:.2f}x "
               f"| {us(r['floor_before'])} | {us(r['floor_after'])} | {r['after'] / r['floor_after']:.1f}x "
               f"| {us(r['gemv_full'])} | {us(r['gemv_rows'])} |")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -116,6 +116,7 @@ class MemoryPlan:
     stages: list[tuple[str, MemoryEstimate]] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)  # passes that ran without changing memory
     hbm_bytes: int = 0  # the target's memory per GPU (0: unknown)
+    program: ExportedProgram | None = None  # the decode program after the passes
 
     @property
     def final(self) -> MemoryEstimate:
@@ -154,7 +155,7 @@ def plan_memory(
         mla, kda = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences, options.block_size)
         return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), mla, kda)
 
-    result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes)
+    result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program)
     from k3compile.passes import ALL_PASSES
 
     for name in names:

@@ -128,6 +128,10 @@ class Runtime:
         self.weights, self.load_report = load_rank_weights(
             artifact, artifact.programs["decode"], self.plan, device, on_progress
         )
+        if device.type == "cuda":
+            from k3compile.runtime.kernels.rows import register_cuda_kernels
+
+            register_cuda_kernels()  # one-launch RMSNorm and add_rank_block instead of the torch references
         self.modules = {}
         for phase, program in artifact.programs.items():
             module = program.module()

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. The mode is fixed when Triton
+# is first imported, so it is set here, before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

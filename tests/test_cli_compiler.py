@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from k3compile.targets import get_target
 from typer.testing import CliRunner
 
 from k3compile.artifact import MANIFEST, write_manifest
@@ -99,17 +101,15 @@ def test_optimize_writes_artifact(compiled, model_dir):
     out, stdout = compiled
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["parallel"]["tp"] == 1 and manifest["dtype"] == "float32" and manifest["target"] == "cpu"
+    passes = get_target("cpu").default_passes
     assert [(p["pass"], p["phase"]) for p in manifest["passes"]] == [
-        ("remove_noops", "decode"), ("remove_noops", "prefill"),
-        ("dedup_replicated_linear", "decode"), ("dedup_replicated_linear", "prefill"),
-    ]
+        (name, phase) for name in passes for phase in ("decode", "prefill")]
     assert manifest["passes"][2]["skipped_reasons"][0]["reason"].startswith("tp=1")
     # Progress: one line per finished step, in order.
     steps = re.findall(r"✓ (.+?)  ", stdout)
     assert steps == [
         "capture decode", "capture prefill", "check checkpoint",
-        "pass remove_noops (decode)", "pass remove_noops (prefill)",
-        "pass dedup_replicated_linear (decode)", "pass dedup_replicated_linear (prefill)", "write artifact",
+        *(f"pass {name} ({phase})" for name in passes for phase in ("decode", "prefill")), "write artifact",
     ]
     # The pass table, the capture statistics and the artifact path.
     rows = [line for line in stdout.splitlines() if line.startswith("remove_noops")]
@@ -123,7 +123,7 @@ def test_optimize_writes_artifact(compiled, model_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--enable", "fuse_everything"], "--enable: unknown pass 'fuse_everything'; known passes: remove_noops, dedup_replicated_linear"),
+        (["--enable", "fuse_everything"], "--enable: unknown pass 'fuse_everything'; known passes: remove_noops, dedup_replicated_linear, sink_copies"),
         (["--disable", "remove_noops,nope"], "--disable: unknown pass 'nope'"),
         (["--target", "tpu"], "--target: unknown target 'tpu'; choose one of h200, mi355x, mi300x, cpu"),
         (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8'; choose one of bfloat16, float32"),
@@ -290,7 +290,7 @@ def test_moved_checkpoint_warns_in_inspect_fails_in_run(compiled, tmp_path):
 
 def test_tp2_artifact_needs_torchrun(model_dir, tmp_path):
     out = tmp_path / "tiny-tp2.k3c"
-    result = invoke("optimize", model_dir, "-o", out, "--tp", "2", "--dtype", "float32", "--disable", "remove_noops,dedup_replicated_linear")
+    result = invoke("optimize", model_dir, "-o", out, "--tp", "2", "--dtype", "float32", "--disable", "remove_noops,dedup_replicated_linear,sink_copies")
     assert result.exit_code == 0, result.output
     assert "remove_noops" not in result.stdout and "Passes: none ran" in result.stdout
     assert f"torchrun --nproc-per-node 2 -m k3compile run {out}" in result.stdout

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from k3compile.cli import app
 from k3compile.config import get_preset
 from k3compile.memory import MemoryOptions, plan_memory, weight_kind
+from k3compile.passes.sink_copies import COND, copies_confined_to_one_branch
 
 GiB = 2**30
 
@@ -45,7 +46,7 @@ def test_plan_tiny_tp2_counts_caches_and_the_dedup_saving():
     tp, context, seqs, block = 2, 100, 3, 16
     plan = plan_memory(cfg, MemoryOptions(tp=tp, target="cpu", context=context, sequences=seqs, block_size=block))
     assert [name for name, _ in plan.stages] == ["no passes", "dedup_replicated_linear"]
-    assert plan.unchanged == ["remove_noops"]
+    assert plan.unchanged == ["remove_noops", "sink_copies"]
     before, after = plan.stages[0][1], plan.stages[1][1]
     up_bytes = _moe_layers(cfg) * cfg.hidden_size * cfg.routed_expert_hidden_size * 2
     assert plan.saved_by("dedup_replicated_linear") == up_bytes * (tp - 1) // tp
@@ -59,7 +60,7 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
     ok = runner.invoke(app, ["plan", "--preset", "tiny", "--tp", "2", "--target", "cpu", "--context", "64"])
     assert ok.exit_code == 0, ok.output
     assert "+ dedup_replicated_linear" in ok.stdout and "saved" in ok.stdout
-    assert "passes that ran without changing memory: remove_noops" in ok.stdout
+    assert "passes that ran without changing memory: remove_noops, sink_copies" in ok.stdout
     errors = {
         ("--tp", "3"): "--tp 3:",
         ("--dcp", "2"): "--dcp 2: decode context parallelism is not implemented yet",
@@ -76,7 +77,8 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
 @pytest.mark.slow
 def test_plan_full_k3_tp8_reports_the_dedup_saving():
     """The full 2.8T config on meta, TP8: the dedup pass saves 7/8 of every routed-expert
-    up-projection (7168 x 3584 bf16) on each GPU."""
+    up-projection (7168 x 3584 bf16) on each GPU; after sink_copies the decode graph has
+    no copy left outside the one cond branch that reads it (69 KDA layers)."""
     cfg = get_preset("k3")
     plan = plan_memory(cfg, MemoryOptions(tp=8, target="mi355x", context=131072, sequences=1, dtype=torch.bfloat16))
     saved = plan.saved_by("dedup_replicated_linear")
@@ -84,3 +86,6 @@ def test_plan_full_k3_tp8_reports_the_dedup_saving():
     assert 4.0 * GiB > saved > 3.5 * GiB
     final = plan.final
     assert (final.mla_kv, final.kda_state) == _expected_caches(cfg, 8, 131072, 1, 16)
+    gm = plan.program.graph_module
+    assert sum(n.target is COND for n in gm.graph.nodes) == 69
+    assert copies_confined_to_one_branch(gm) == []
