@@ -27,12 +27,18 @@ Before (layer 1 of ``tiny`` at TP2, decode)::
     %add_2        = aten.add.Tensor(%linear_21, %wait_tensor_5)
 
 After (the weight placeholder now holds this rank's 32 of 64 rows; ``row_start`` is a
-per-rank constant buffer: 0 on rank 0, 32 on rank 1)::
+per-rank constant buffer: 0 on rank 0, 32 on rank 1). With no bias and nothing between
+the linear and the add, the rows GEMV and the add are one op (one kernel on a GPU)::
 
-    %linear_25     = aten.linear(%rms_norm_4, %p_..._routed_expert_up_proj_weight)    S(1) [s, 32]
-    %add_rank_block = k3.add_rank_block(%linear_24, %linear_25, %b_..._row_start, 1)  P [s, 64]
-    %all_reduce_6  = _c10d_functional.all_reduce(%add_rank_block, "sum", "0")
+    %add_rank_block_linear = k3.add_rank_block_linear(%linear_24, %rms_norm_4,
+                                 %p_..._routed_expert_up_proj_weight, %b_..._row_start)  P [s, 64]
+    %all_reduce_6  = _c10d_functional.all_reduce(%add_rank_block_linear, "sum", "0")
     %wait_tensor_6 = _c10d_functional.wait_tensor(%all_reduce_6)
+
+With a bias or a unary chain (below), the rows are computed first and then added::
+
+    %linear_25      = aten.linear(%x, %W, %b)                                       S(1) [s, 32]
+    %add_rank_block = k3.add_rank_block(%linear_24, [chain](%linear_25), %b_..._row_start, 1)  P [s, 64]
 
 What stays replicated: the linear's input and anything before it (the RMSNorm in K3) is
 unchanged. A unary pointwise chain between the linear and the add (casts, scalar
@@ -192,12 +198,17 @@ class DedupReplicatedLinear(GraphPass):
         start = add_rank_constant(ctx, f"{module}.row_start", ShardOffset(rows))
         dim = m.add.meta["val"].dim() - 1
         partial = m.all_reduce.args[0]
+        fused = bias is None and not m.chain and not m.linear.kwargs
 
         with graph.inserting_before(m.add):
-            block = graph.call_function(aten.linear.default, m.linear.args, m.linear.kwargs)
-            for node in m.chain:
-                block = graph.call_function(node.target, (block, *node.args[1:]), node.kwargs)
-            acc = graph.call_function(torch.ops.k3.add_rank_block.default, (partial, block, start, dim))
+            if fused:
+                block = acc = graph.call_function(
+                    torch.ops.k3.add_rank_block_linear.default, (partial, m.linear.args[0], weight, start))
+            else:
+                block = graph.call_function(aten.linear.default, m.linear.args, m.linear.kwargs)
+                for node in m.chain:
+                    block = graph.call_function(node.target, (block, *node.args[1:]), node.kwargs)
+                acc = graph.call_function(torch.ops.k3.add_rank_block.default, (partial, block, start, dim))
             reduced = graph.call_function(c10d.all_reduce.default, (acc, *m.all_reduce.args[1:]), m.all_reduce.kwargs)
             waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
         for new, old in ((block, m.linear), (acc, m.linear), (reduced, m.all_reduce), (waited, m.wait)):
@@ -213,5 +224,7 @@ class DedupReplicatedLinear(GraphPass):
         detail = (
             f"layer {_layer(block)}: {params[weight.name]} [{rows}, {cols}] -> {rows // tp} rows per rank, "
             f"added into {partial.name} before its all-reduce"
+            + (" (k3.add_rank_block_linear: rows GEMV and add in one op)" if fused
+               else " (aten.linear + k3.add_rank_block)")
         )
         return Rewrite(m.linear.name, detail, stats)

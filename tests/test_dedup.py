@@ -63,7 +63,11 @@ def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp):
     before, after = load_artifact(plain), load_artifact(deduped)
     for phase in ("decode", "prefill"):  # no collective added
         assert _collectives(after.programs[phase]) == _collectives(before.programs[phase])
-    assert sum(1 for n in after.programs["decode"].graph.nodes if "add_rank_block" in str(n.target)) == len(moe_layers)
+    # no bias and nothing between the up-projection and the add: the rows GEMV and the add
+    # are one op, and no separate add_rank_block remains
+    targets = [str(n.target) for n in after.programs["decode"].graph.nodes]
+    assert targets.count("k3.add_rank_block_linear.default") == len(moe_layers)
+    assert sum(1 for t in targets if "add_rank_block" in t) == len(moe_layers)
 
     base = run_ranks(_rank_run, tp, plain)
     opt = run_ranks(_rank_run, tp, deduped)
@@ -94,6 +98,10 @@ def test_dedup_reports_why_it_skips():
     assert any("computed in the graph" in r for r in reasons)
     assert any("k3.moe_experts" in r and "new collective" in r for r in reasons)
     assert result.matches == 6 and all("-> 32 rows per rank" in r.detail for r in result.rewrites)
+    assert all("k3.add_rank_block_linear" in r.detail for r in result.rewrites)
+    targets = [n.target for n in program.graph.nodes]
+    assert targets.count(torch.ops.k3.add_rank_block_linear.default) == 6
+    assert torch.ops.k3.add_rank_block.default not in targets
     # The per-rank row offset is a buffer, filled per rank (never baked into the graph).
     starts = {k: v for k, v in captured.constants.items() if k.endswith("row_start")}
     assert len(starts) == 6 and {v.value(ParallelPlan(2, 1)) for v in starts.values()} == {32}

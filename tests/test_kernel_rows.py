@@ -39,11 +39,39 @@ def test_add_rank_block_matches_the_reference(rank):
     torch.testing.assert_close(torch.ops.k3.add_rank_block(acc.cpu(), block.cpu(), start.cpu(), -1), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("rank", [0, 3, 7])
+def test_add_rank_block_linear_matches_the_reference(rank, T, dtype):
+    gen = torch.Generator().manual_seed(rank * 10 + T)
+    # N: not a multiple of the copy block; n: not a multiple of the row block; K: not a
+    # multiple of the K chunk.
+    N, tp, K = 8 * 100, 8, rows.LINEAR_BLOCK_K + 40
+    n = N // tp
+    acc = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(n, K, generator=gen) * K**-0.5).to(dtype).to(DEVICE)
+    start = torch.tensor(rank * n, device=DEVICE)
+    got = rows.add_rank_block_linear(acc, x, w, start).cpu()
+    want = acc.cpu().float().clone()
+    want[:, rank * n:(rank + 1) * n] += x.cpu().float() @ w.cpu().float().T
+    ref = torch.ops.k3.add_rank_block_linear(acc.cpu(), x.cpu(), w.cpu(), start.cpu())
+    assert got.dtype == ref.dtype == dtype
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(ref.float(), want, **tol)
+    outside = torch.ones(N, dtype=torch.bool)
+    outside[rank * n:(rank + 1) * n] = False
+    assert torch.equal(got[:, outside], acc.cpu()[:, outside])  # copied bit for bit
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="weight of shape"):
         rows.rms_norm(torch.zeros(2, 8), torch.zeros(4), 1e-5)
     with pytest.raises(ValueError, match="does not fit"):
         rows.add_rank_block(torch.zeros(2, 8), torch.zeros(3, 4), torch.tensor(0), -1)
+    with pytest.raises(ValueError, match="does not fit"):
+        rows.add_rank_block_linear(torch.zeros(2, 8), torch.zeros(2, 5), torch.zeros(4, 6), torch.tensor(0))
 
 
 def test_row_kernels_compile_for_amd_targets():
@@ -58,3 +86,12 @@ def test_row_kernels_compile_for_amd_targets():
              "n": "i32", "BLOCK": "constexpr"},
             {"BLOCK": rows.ADD_BLOCK}, target)
         assert norm.fits and add.fits and not norm.spills and not add.spills
+        for block_t in (1, rows.LINEAR_MAX_BLOCK_T):
+            fused = aot.compile_for_target(
+                rows._add_rank_block_linear_kernel,
+                {"acc_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "start_ptr": "*i64", "out_ptr": "*bf16",
+                 "T": "i32", "N": "i32", "n": "i32", "K": "i32", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr",
+                 "BLOCK_K": "constexpr", "COPY_BLOCK": "constexpr"},
+                {"BLOCK_T": block_t, "BLOCK_N": rows.LINEAR_BLOCK_N, "BLOCK_K": rows.LINEAR_BLOCK_K,
+                 "COPY_BLOCK": rows.COPY_BLOCK}, target)
+            assert fused.fits and not fused.spills, (target, block_t, fused)

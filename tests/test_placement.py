@@ -3,6 +3,10 @@ small hand-made programs, and the redundant-work report against a hand count."""
 
 from __future__ import annotations
 
+import importlib
+import operator
+import pkgutil
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,6 +52,19 @@ def param_node(program, fqn: str):
 def linears_of(program, fqn: str):
     w = param_node(program, fqn)
     return [u for u in w.users if u.target is torch.ops.aten.linear.default]
+
+
+def dispatched_linears_of(program, fqn: str):
+    """The cond of a dispatched linear (model/gemm.py) and the linear in each branch."""
+    w = param_node(program, fqn)
+    (cond,) = [u for u in w.users if u.target is torch.ops.higher_order.cond]
+    index = list(cond.args[3]).index(w)
+    linears = []
+    for attr in cond.args[1:3]:
+        branch = getattr(program.graph_module, attr.target)
+        ph = [n for n in branch.graph.nodes if n.op == "placeholder"][index]
+        linears += [u for u in ph.users if u.target is torch.ops.aten.linear.default]
+    return cond, linears
 
 
 def only_user(node, target):
@@ -107,8 +124,16 @@ def test_column_parallel_q_proj_is_sharded_on_the_last_dim(captured, phase):
 def test_o_proj_is_partial_until_its_all_reduce(captured, phase):
     program = captured[2].programs[phase]
     for layer, kind in enumerate(CFG.layer_kinds):
-        (lin,) = linears_of(program, f"k3.model.layers.{layer}.self_attn.o_proj.weight")
-        assert lin.args[0].meta["placement"] == Shard(1), kind
+        name = f"k3.model.layers.{layer}.self_attn.o_proj.weight"
+        if kind == "kda":  # through the GEMM dispatch (model/gemm.py): a cond, placed per branch
+            cond, branch_linears = dispatched_linears_of(program, name)
+            assert len(branch_linears) == 2
+            assert all(b.meta["placement"] == Partial() for b in branch_linears)
+            assert all(b.args[0].meta["placement"] == Shard(1) for b in branch_linears)
+            lin = only_user(cond, operator.getitem)
+        else:
+            (lin,) = linears_of(program, name)
+            assert lin.args[0].meta["placement"] == Shard(1), kind
         assert lin.meta["placement"] == Partial()
         reduce = only_user(lin, c10d.all_reduce.default)
         assert reduce.meta["placement"] == R
@@ -166,9 +191,9 @@ def test_caches(captured, phase):
 
 
 def test_k3_ops_declare_rules():
-    ops = [v for m in (k3ops.kda, k3ops.mla, k3ops.moe, k3ops.norm, k3ops.attn_res, k3ops.activations)
-           for v in vars(m).values() if type(v).__name__ == "CustomOpDef"]
-    assert len(ops) == 14
+    modules = [importlib.import_module(f"k3compile.ops.{m.name}") for m in pkgutil.iter_modules(k3ops.__path__)]
+    ops = [v for m in modules for v in vars(m).values() if type(v).__name__ == "CustomOpDef"]
+    assert len(ops) >= 15  # every op module is found (14 model ops + add_rank_block at least)
     for op in ops:
         ns, name = op._qualname.split("::")
         assert op_rule(getattr(getattr(torch.ops, ns), name).default) is not None, op._qualname
