@@ -27,11 +27,13 @@ class Target:
 
 # The mission's passes join these lists as they land (one file each in passes/).
 _COMMON_PASSES: tuple[str, ...] = ("remove_noops", "dedup_replicated_linear", "sink_copies")
+#: GPU targets also pad attention heads to what their fast MLA decode kernel accepts.
+_GPU_PASSES: tuple[str, ...] = (*_COMMON_PASSES, "pad_attention_heads")
 
 TARGETS: dict[str, Target] = {
-    "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, _COMMON_PASSES),
-    "mi355x": Target("mi355x", "hip", "gfx950", 256, 160 * 1024, 288 * 10**9, _COMMON_PASSES),
-    "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9, _COMMON_PASSES),
+    "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, _GPU_PASSES),
+    "mi355x": Target("mi355x", "hip", "gfx950", 256, 160 * 1024, 288 * 10**9, _GPU_PASSES),
+    "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9, _GPU_PASSES),
     "cpu": Target("cpu", "cpu", "cpu", 1, 0, 0, _COMMON_PASSES),
 }
 

@@ -5,9 +5,10 @@ pipeline (``k3compile.targets``) is a subset of these names.
 """
 
 from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
+from k3compile.passes.pad_attention_heads import PadAttentionHeads
 from k3compile.passes.remove_noops import RemoveNoops
 from k3compile.passes.sink_copies import SinkCopies
 
-ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies)}
+ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies, PadAttentionHeads)}
 
-__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "RemoveNoops", "SinkCopies"]
+__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "PadAttentionHeads", "RemoveNoops", "SinkCopies"]

@@ -17,6 +17,17 @@ rotary embedding: NoPE). Sequence i's position p lives in block
                          the latent output and the log-sum-exp of the scaled scores
                          (-inf and a zero output for an empty context), so that partial
                          results over disjoint positions can be merged exactly.
+``k3::mla_decode_split_kv``  ``mla_decode`` with the contract of the fast split-KV kernel:
+                         the head count is a multiple of 16. The graph names the kernel it
+                         needs; on CUDA/ROCm it runs the Triton split-KV kernel
+                         (``k3compile.runtime.kernels.mla_decode``), elsewhere the
+                         reference. Only the ``pad_attention_heads`` pass emits it.
+``k3::pad_heads`` / ``k3::narrow_heads``  zero heads appended to dim 1 of this rank's
+                         block / the block's first heads (a copy). They exist as ops, not
+                         ``aten.constant_pad_nd`` / ``aten.slice``, because they act on each
+                         rank's block of a head-sharded tensor: placement-wise they are
+                         per-shard (S(1) -> S(1)), which a pad or slice of the logical
+                         tensor's sharded dim is not.
 """
 
 from __future__ import annotations
@@ -91,11 +102,11 @@ def _(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale):
     return q.new_empty(q.shape[0], H, kv_b_weight.shape[0] // H - Dn)
 
 
-@torch.library.custom_op("k3::mla_decode", mutates_args=())
-def mla_decode(
+def mla_decode_reference(
     q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, value_dim: int
 ) -> tuple[Tensor, Tensor]:
-    """q [B, H, W] absorbed queries -> (o [B, H, value_dim] in q.dtype, lse [B, H] fp32)."""
+    """The torch reference of the decode ops (fp32 math on any device): q [B, H, W]
+    absorbed queries -> (o [B, H, value_dim] in q.dtype, lse [B, H] fp32)."""
     B, H, W = q.shape
     block_size = kv_cache.shape[1]
     max_len = block_table.shape[1] * block_size
@@ -112,10 +123,86 @@ def mla_decode(
     return out.to(q.dtype), lse
 
 
-@mla_decode.register_fake
-def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
+def _mla_decode_fake(q, kv_cache, block_table, seq_lens, scale, value_dim):
     B, H, _ = q.shape
     return q.new_empty(B, H, value_dim), q.new_empty(B, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("k3::mla_decode", mutates_args=())
+def mla_decode(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, value_dim: int
+) -> tuple[Tensor, Tensor]:
+    """q [B, H, W] absorbed queries -> (o [B, H, value_dim] in q.dtype, lse [B, H] fp32)."""
+    return mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
+
+
+mla_decode.register_fake(_mla_decode_fake)
+
+#: The split-KV kernel's head tile (``HEAD_TILE`` of runtime/kernels/mla_decode.py, which
+#: imports Triton: not imported here so that ``import k3compile`` stays light; a test
+#: checks the two agree).
+SPLIT_KV_HEAD_MULTIPLE = 16
+
+
+def _check_split_kv_heads(q: Tensor) -> None:
+    if q.dim() != 3 or q.shape[1] % SPLIT_KV_HEAD_MULTIPLE:
+        raise ValueError(
+            f"k3::mla_decode_split_kv needs q [B, H, W] with H a multiple of {SPLIT_KV_HEAD_MULTIPLE}, "
+            f"got {tuple(q.shape)}; pad the heads (pass pad_attention_heads) or call k3::mla_decode"
+        )
+
+
+@torch.library.custom_op("k3::mla_decode_split_kv", mutates_args=())
+def mla_decode_split_kv(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, value_dim: int
+) -> tuple[Tensor, Tensor]:
+    """``mla_decode`` for head counts that are multiples of 16 (the fast kernel's tile).
+    The reference on CPU; the Triton split-KV kernel on CUDA/ROCm (registered below)."""
+    _check_split_kv_heads(q)
+    return mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
+
+
+@mla_decode_split_kv.register_fake
+def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
+    _check_split_kv_heads(q)
+    return _mla_decode_fake(q, kv_cache, block_table, seq_lens, scale, value_dim)
+
+
+@mla_decode_split_kv.register_kernel("cuda")  # ROCm builds of torch report "cuda" too
+def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
+    # Imported on first call: Triton stays out of ``import k3compile``.
+    from k3compile.runtime.kernels.mla_decode import mla_decode_split_kv as split_kv_kernel
+
+    return split_kv_kernel(q, kv_cache, block_table, seq_lens, scale, value_dim)
+
+
+@torch.library.custom_op("k3::pad_heads", mutates_args=())
+def pad_heads(x: Tensor, heads: int) -> Tensor:
+    """x [B, H, ...] -> [B, heads, ...]: x followed by heads - H zero heads (heads >= H)."""
+    if heads < x.shape[1]:
+        raise ValueError(f"k3::pad_heads: cannot pad {x.shape[1]} heads to {heads}")
+    padded = x.new_zeros(x.shape[0], heads, *x.shape[2:])
+    padded[:, : x.shape[1]] = x
+    return padded
+
+
+@pad_heads.register_fake
+def _(x: Tensor, heads: int) -> Tensor:
+    return x.new_empty(x.shape[0], heads, *x.shape[2:])
+
+
+@torch.library.custom_op("k3::narrow_heads", mutates_args=())
+def narrow_heads(x: Tensor, heads: int) -> Tensor:
+    """x [B, H, ...] -> its first ``heads`` heads [B, heads, ...] (a contiguous copy: a
+    custom op's output may not alias its input)."""
+    if heads > x.shape[1]:
+        raise ValueError(f"k3::narrow_heads: cannot take {heads} of {x.shape[1]} heads")
+    return x[:, :heads].clone(memory_format=torch.contiguous_format)
+
+
+@narrow_heads.register_fake
+def _(x: Tensor, heads: int) -> Tensor:
+    return x.new_empty(x.shape[0], heads, *x.shape[2:])
 
 
 # Placement (k3compile.placement). Heads are split across TP ranks (q, and kv_b_proj by
@@ -155,8 +242,16 @@ def _mla_decode_cost(call: CostCall) -> Cost:
     return Cost(flops, call.io_bytes() + B * ctx * W * call.itemsize("kv_cache"))
 
 
+_MLA_DECODE_RULE = split({"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost)
+# Per rank block of the heads: a head-sharded input gives a head-sharded output whose
+# logical tensor is the ranks' padded (narrowed) blocks side by side. Pure copies.
+_HEAD_BLOCK_RULE = split({"x": 1}, out=1, what="heads", flops_per_element=0.0)
+
 register_op_rules({
     mla_cache_write: replicated(caches=("kv_cache",), cost=_mla_cache_write_cost),
     mla_prefill: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", caches=("kv_cache",), cost=_mla_prefill_cost),
-    mla_decode: split({"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost),
+    mla_decode: _MLA_DECODE_RULE,
+    mla_decode_split_kv: _MLA_DECODE_RULE,
+    pad_heads: _HEAD_BLOCK_RULE,
+    narrow_heads: _HEAD_BLOCK_RULE,
 })
