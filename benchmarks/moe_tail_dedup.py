@@ -18,7 +18,8 @@ variant runs under a CUDA graph that holds the tails of ``--layers`` distinct
 layers back to back (distinct weights, more bytes than the 50 MB L2 of an H200), so each
 call reads its weights from HBM as in a real decode step; time per layer = median graph
 time / layers. Peers in the same run: a bare cuBLAS GEMV of the full and of the 896-row
-weight, and the fused rows kernel alone (GEMV + add, ``add_rank_block_linear``). The floor is the bytes each variant must move (weights + activations) over the
+weight, and the rows op alone (GEMV + add, ``add_rank_block_linear``). The floor is the
+bytes each variant must move (weights + activations) over the
 copy bandwidth measured in the same run. Correctness is checked first: after == before
 (bf16, rows added before the all-reduce of a single rank = the same sum).
 
@@ -136,7 +137,7 @@ def main() -> None:
           f"{args.layers} layers per graph, check rel. error {err:.1e}\n")
     print("| batch | before us | after us | speedup | before, torch ref ops us | after, torch ref ops us "
           "| speedup | floor before us | floor after us | after / floor | cuBLAS GEMV 7168 rows us | 896 rows us "
-          "| fused 896 rows + add us |")
+          "| 896 rows + add us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         print(f"| {r['batch']} | {us(r['before'])} | {us(r['after'])} | {r['before'] / r['after']:.2f}x "

@@ -27,8 +27,9 @@ class Target:
 
 # The mission's passes join these lists as they land (one file each in passes/).
 _COMMON_PASSES: tuple[str, ...] = ("remove_noops", "dedup_replicated_linear", "sink_copies")
-#: GPU targets also pad attention heads to what their fast MLA decode kernel accepts.
-_GPU_PASSES: tuple[str, ...] = (*_COMMON_PASSES, "pad_attention_heads")
+#: GPU targets also fuse single-token KDA into one kernel and pad attention heads to what
+#: their fast MLA decode kernel accepts.
+_GPU_PASSES: tuple[str, ...] = (*_COMMON_PASSES, "fuse_kda_decode", "pad_attention_heads")
 
 TARGETS: dict[str, Target] = {
     "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, _GPU_PASSES),

@@ -5,10 +5,11 @@ pipeline (``k3compile.targets``) is a subset of these names.
 """
 
 from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
+from k3compile.passes.fuse_kda_decode import FuseKDADecode
 from k3compile.passes.pad_attention_heads import PadAttentionHeads
 from k3compile.passes.remove_noops import RemoveNoops
 from k3compile.passes.sink_copies import SinkCopies
 
-ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies, PadAttentionHeads)}
+ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies, FuseKDADecode, PadAttentionHeads)}
 
-__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "PadAttentionHeads", "RemoveNoops", "SinkCopies"]
+__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "FuseKDADecode", "PadAttentionHeads", "RemoveNoops", "SinkCopies"]

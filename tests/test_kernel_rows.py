@@ -86,12 +86,3 @@ def test_row_kernels_compile_for_amd_targets():
              "n": "i32", "BLOCK": "constexpr"},
             {"BLOCK": rows.ADD_BLOCK}, target)
         assert norm.fits and add.fits and not norm.spills and not add.spills
-        for block_t in (1, rows.LINEAR_MAX_BLOCK_T):
-            fused = aot.compile_for_target(
-                rows._add_rank_block_linear_kernel,
-                {"acc_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "start_ptr": "*i64", "out_ptr": "*bf16",
-                 "T": "i32", "N": "i32", "n": "i32", "K": "i32", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_K": "constexpr", "COPY_BLOCK": "constexpr"},
-                {"BLOCK_T": block_t, "BLOCK_N": rows.LINEAR_BLOCK_N, "BLOCK_K": rows.LINEAR_BLOCK_K,
-                 "COPY_BLOCK": rows.COPY_BLOCK}, target)
-            assert fused.fits and not fused.spills, (target, block_t, fused)

@@ -99,9 +99,9 @@ def test_random_step_inputs_are_valid_steps(captured):
 def test_resolve_passes_order_and_errors():
     target = get_target("mi355x")
     assert [p.name for p in resolve_passes(target, PipelineOptions(target="mi355x"))] == [
-        "remove_noops", "dedup_replicated_linear", "sink_copies", "pad_attention_heads"]
+        "remove_noops", "dedup_replicated_linear", "sink_copies", "fuse_kda_decode", "pad_attention_heads"]
     off = PipelineOptions(target="mi355x", disable=("remove_noops", "dedup_replicated_linear", "sink_copies",
-                                                    "pad_attention_heads"))
+                                                    "fuse_kda_decode", "pad_attention_heads"))
     assert resolve_passes(target, off) == []
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
         resolve_passes(target, PipelineOptions(enable=("nope",)))
