@@ -40,8 +40,9 @@ KDA_LAYERS, HIDDEN, LOCAL_IN = 69, 7168, 12 * 128
 COPY_KERNEL_WORDS = ("copy", "fill", "scatter", "zero")
 
 
-def step_kernels(rt: runtime.Runtime) -> tuple[int, int]:
-    """(all CUDA kernels, copy/fill kernels) of one eager decode step at batch 1."""
+def step_kernels(rt: runtime.Runtime) -> tuple[int, int, int]:
+    """(all CUDA kernels, copy/fill kernels, fused KDA decode kernels) of one eager decode
+    step at batch 1."""
     ids, logits = rt.prefill([[1, 2, 3]])
     tokens = logits.argmax(-1).tolist()
     rt.decode(ids, tokens)  # warm-up
@@ -53,7 +54,7 @@ def step_kernels(rt: runtime.Runtime) -> tuple[int, int]:
         rt.release(s)
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = [k for k in kernels if any(w in k.lower() for w in COPY_KERNEL_WORDS)]
-    return len(kernels), len(copies)
+    return len(kernels), len(copies), sum("kda_decode" in k for k in kernels)
 
 
 def dispatch_microbench(batch: int, repeats: int) -> dict[str, float]:
@@ -89,10 +90,11 @@ def main() -> None:
         opts = dict(max_sequences=8, max_context=256, device="cuda")
         eager = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(**opts, cuda_graphs=False))
         graphs = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(**opts, cuda_graphs=True))
-        kernels, copies = step_kernels(eager)
+        kernels, copies, kda = step_kernels(eager)
         tokens[name] = graphs.generate([[5, 9, 100, 7], [17]], 16)
         step = time_decode(graphs, 1, args.steps, torch.cuda.synchronize)
-        result[name] = {"kernels_per_step": kernels, "copy_kernels_per_step": copies, "decode_ms_batch1": step * 1e3}
+        result[name] = {"kernels_per_step": kernels, "copy_kernels_per_step": copies,
+                        "fused_kda_kernels_per_step": kda, "decode_ms_batch1": step * 1e3}
     result["tokens_equal"] = tokens["before"] == tokens["after"]
     result["k3_o_proj_dispatch"] = [dispatch_microbench(b, args.repeats) for b in (1, 8)]
     print(json.dumps(result, indent=1))
