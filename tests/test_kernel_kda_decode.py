@@ -288,17 +288,18 @@ K3_HEADS, K3_HEAD_DIM = 12, 128  # per rank at TP8
 @pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
 def test_launch_plan_fills_the_gpu(target: str) -> None:
     """Workgroups per launch at K3 per-rank shapes: batch 1 still launches 96 (one per value
-    tile of 16), and wider tiles are used only once the batch gives every CU two programs."""
+    tile of 16); wider tiles (up to MAX_BLOCK_V, the fastest on an H200) only once the
+    batch gives every CU two programs."""
     units = aot.TARGETS[target].compute_units
     for batch in (1, 8, 64, 256):
         bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
         programs = np.prod(kda.launch_grid(batch, K3_HEADS, K3_HEAD_DIM, bv))
         assert programs == batch * K3_HEADS * K3_HEAD_DIM // bv
         assert programs >= 2 * units or bv == kda.MIN_BLOCK_V, (batch, bv, programs)
-        if bv < K3_HEAD_DIM:  # the next wider tile would have left CUs without a second program
+        if bv < kda.MAX_BLOCK_V:  # the next wider tile would have left CUs without a second program
             assert programs // 2 < 2 * units
     assert kda.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
-    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == K3_HEAD_DIM
+    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == kda.MAX_BLOCK_V == 32
 
 
 def test_bytes_floor_is_the_state() -> None:
