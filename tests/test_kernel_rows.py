@@ -44,9 +44,8 @@ def test_add_rank_block_matches_the_reference(rank):
 @pytest.mark.parametrize("rank", [0, 3, 7])
 def test_add_rank_block_linear_matches_the_reference(rank, T, dtype):
     gen = torch.Generator().manual_seed(rank * 10 + T)
-    # N: not a multiple of the copy block; n: not a multiple of the row block; K: not a
-    # multiple of the K chunk.
-    N, tp, K = 8 * 100, 8, rows.LINEAR_BLOCK_K + 40
+    # N: not a multiple of the add kernel's column block.
+    N, tp, K = 8 * 100, 8, 296
     n = N // tp
     acc = torch.randn(T, N, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
