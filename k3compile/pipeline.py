@@ -64,6 +64,12 @@ class PassResult:
     skipped: list[Skipped] = field(default_factory=list)
     rewrites: list[Rewrite] = field(default_factory=list)
 
+    def add_rewrite(self, rewrite: Rewrite) -> None:
+        """Record one rewritten candidate: a match whose stats add to the pass totals."""
+        self.rewrites.append(rewrite)
+        self.add_stats(rewrite.stats)
+        self.matches += 1
+
     def add_stats(self, stats: dict[str, float]) -> None:
         """Accumulate per-rewrite stats into the pass totals."""
         for key, value in stats.items():

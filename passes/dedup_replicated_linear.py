@@ -140,9 +140,7 @@ class DedupReplicatedLinear(GraphPass):
             if match is None:
                 result.skipped.append(Skipped(node.name, reason))
                 continue
-            result.rewrites.append(self._rewrite(gm, ctx, match, params))
-            result.add_stats(result.rewrites[-1].stats)
-            result.matches += 1
+            result.add_rewrite(self._rewrite(gm, ctx, match, params))
         result.changed = result.matches > 0
         return result
 

@@ -219,10 +219,7 @@ class FuseKDADecode(GraphPass):
                     result.skipped.append(Skipped(node.name, f"the {ctx.target.name} kernel needs power-of-two "
                                                              f"head dims, got D={D}, DV={DV}"))
                     continue
-            rewrite = self._rewrite(gm, chain)
-            result.rewrites.append(rewrite)
-            result.add_stats(rewrite.stats)
-            result.matches += 1
+            result.add_rewrite(self._rewrite(gm, chain))
         result.changed = result.matches > 0
         return result
 

@@ -93,9 +93,7 @@ class PadAttentionHeads(GraphPass):
             if kernel is None:
                 result.skipped.append(Skipped(node.name, reason))
                 continue
-            result.rewrites.append(self._rewrite(gm, node, kernel, padded))
-            result.add_stats(result.rewrites[-1].stats)
-            result.matches += 1
+            result.add_rewrite(self._rewrite(gm, node, kernel, padded))
         result.changed = result.matches > 0
         return result
 

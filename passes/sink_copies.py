@@ -40,7 +40,6 @@ sequence, read + write, with the staging buffer's padded size).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import sympy

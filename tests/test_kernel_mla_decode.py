@@ -1,12 +1,9 @@
 """Triton MLA kernels (runtime/kernels/mla_decode.py) against the fp32 torch reference.
 
-Without a GPU the kernels run under the Triton interpreter. TRITON_INTERPRET must be set
-before Triton is first imported (it decides what ``@triton.jit`` makes, triton.language's
-own helpers included), so it is set at the top of this file, before any import of
-Triton. If another module of the session imported Triton first without it, the tests of
-this file run in a child pytest with it (``test_in_an_interpreter_process``). Under the
-interpreter the launchers NaN-fill every output and scratch buffer, so an element a
-kernel fails to write fails the comparison.
+Without a GPU the kernels run under the Triton interpreter: tests/conftest.py sets
+TRITON_INTERPRET before anything imports Triton (the mode is fixed at that import).
+Under the interpreter the launchers NaN-fill every output and scratch buffer, so an
+element a kernel fails to write fails the comparison.
 
 Tolerances (bf16 inputs, fp32 reference on the same bf16 values upcast): scores are
 exact products summed in fp32, so lse agrees to fp32 rounding (1e-4 absolute is loose);
@@ -17,40 +14,14 @@ truncates fp32 -> bf16: 1e-2 absolute + 1e-2 relative.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
-
-import pytest  # noqa: E402
-
-import k3compile  # noqa: E402,F401  (registers torch.ops.k3)
-from k3compile.runtime.kernels import aot  # noqa: E402
-from k3compile.runtime.kernels import mla_decode as mk  # noqa: E402
+import k3compile  # noqa: F401  (registers torch.ops.k3)
+from k3compile.runtime.kernels import aot
+from k3compile.runtime.kernels import mla_decode as mk
 
 DEVICE = "cuda" if torch.cuda.is_available() and not mk._INTERPRETED else "cpu"
-#: no GPU, and Triton was imported before TRITON_INTERPRET was set: run in a child pytest
-IN_CHILD = DEVICE == "cpu" and not (mk._INTERPRETED and aot._language_interpreted())
-
-
-def test_in_an_interpreter_process(request):
-    if not IN_CHILD:
-        pytest.skip("this process interprets (or has a GPU): the tests run here")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-
-
-@pytest.fixture(autouse=True)
-def _runs_here(request):
-    if IN_CHILD and request.node.originalname != "test_in_an_interpreter_process":
-        pytest.skip("ran in the child pytest of test_in_an_interpreter_process")
 
 
 # The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
