@@ -22,7 +22,7 @@ Layout of ``OUT/``::
      "model_dir": "/abs/path/of/the/checkpoint",        # where the runtime reads weights
      "checkpoint_index_sha256": "<sha256 of model.safetensors.index.json>",
      "dtype": "bfloat16", "block_size": 16,
-     "parallel": {"tp": 8, "dcp": 1},                    # dcp is reserved: always 1
+     "parallel": {"tp": 8, "dcp": 2, "dcp_interleave": 1},  # dcp divides tp
      "target": "mi355x", "phases": ["decode", "prefill"],
      "passes": [ {...}, ... ],                           # per-pass summaries, as given
      "capture_stats": {"seconds": {...}, "nodes": {...}, "peak_rss_bytes": ...},
@@ -120,6 +120,7 @@ class ArtifactInfo:
     block_size: int
     tp: int
     dcp: int
+    dcp_interleave: int
     target: str
     phases: tuple[str, ...]
     passes: list[Any]
@@ -138,9 +139,13 @@ class LoadedArtifact:
     def config(self) -> K3Config:
         return self.info.config
 
+    def plan(self, rank: int) -> ParallelPlan:
+        """The artifact's parallel plan seen from ``rank``."""
+        return ParallelPlan(self.info.tp, rank, self.info.dcp, self.info.dcp_interleave)
+
     def ranges(self, rank: int) -> dict[str, tuple[int, int] | None]:
         """[start, stop) along each parameter's split dim that ``rank`` reads."""
-        plan = ParallelPlan(self.info.tp, rank)
+        plan = self.plan(rank)
         return {name: spec.split_range(plan) for name, spec in self.specs.items()}
 
 
@@ -330,7 +335,7 @@ def _rank_file(
             "quantized": spec.quantized,
         }
     consts = {
-        name: {"kind": "shard_offset", "extent": off.extent, "value": off.value(plan)}
+        name: {"kind": "shard_offset", "extent": off.extent, "period": off.period, "value": off.value(plan)}
         for name, off in sorted(constants.items())
     }
     return {
@@ -348,10 +353,12 @@ def _parse_constants(raw: Any, label: str, plan: ParallelPlan) -> dict[str, Shar
         where = f"{label}: constants['{name}']"
         if not isinstance(c, dict) or c.get("kind") != "shard_offset":
             raise ArtifactError(f"{where}: must be an object with kind 'shard_offset'")
-        extent, value = c.get("extent"), c.get("value")
+        extent, period, value = c.get("extent"), c.get("period"), c.get("value")
         if not isinstance(extent, int) or isinstance(extent, bool) or extent < 1:
             raise ArtifactError(f"{where}.extent: must be a positive integer")
-        offset = ShardOffset(extent)
+        if period is not None and (not isinstance(period, int) or isinstance(period, bool) or period < 1):
+            raise ArtifactError(f"{where}.period: must be a positive integer or null")
+        offset = ShardOffset(extent, period)
         try:
             expected = offset.value(plan)
         except ShardingError as e:
@@ -498,7 +505,7 @@ def save_artifact(
             "checkpoint_index_sha256": index_sha,
             "dtype": dtype,
             "block_size": captured.block_size,
-            "parallel": {"tp": tp, "dcp": 1},
+            "parallel": {"tp": tp, "dcp": captured.plan.dcp, "dcp_interleave": captured.plan.dcp_interleave},
             "target": target,
             "phases": list(captured.programs),
             "passes": pass_summaries,
@@ -582,11 +589,13 @@ def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
     if dtype_name not in DTYPES:
         raise ArtifactError(f"{MANIFEST}: field 'dtype' is {dtype_name!r}, expected one of {', '.join(DTYPES)}")
     parallel = _field(raw, "parallel", dict)
-    tp, dcp = parallel.get("tp"), parallel.get("dcp")
+    tp, dcp, interleave = parallel.get("tp"), parallel.get("dcp"), parallel.get("dcp_interleave", 1)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ArtifactError(f"{MANIFEST}: field 'parallel.tp' is {tp!r}, expected a positive integer")
-    if dcp != 1:
-        raise ArtifactError(f"{MANIFEST}: field 'parallel.dcp' is {dcp!r}; format version 1 supports only dcp=1")
+    if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1 or tp % dcp:
+        raise ArtifactError(f"{MANIFEST}: field 'parallel.dcp' is {dcp!r}, expected a divisor of tp={tp}")
+    if not isinstance(interleave, int) or isinstance(interleave, bool) or interleave < 1:
+        raise ArtifactError(f"{MANIFEST}: field 'parallel.dcp_interleave' is {interleave!r}, expected a positive integer")
     block_size = _field(raw, "block_size", int)
     if block_size < 1:
         raise ArtifactError(f"{MANIFEST}: field 'block_size' is {block_size}, expected a positive integer")
@@ -627,6 +636,7 @@ def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
         block_size=block_size,
         tp=tp,
         dcp=dcp,
+        dcp_interleave=interleave,
         target=_field(raw, "target", str),
         phases=tuple(phases),
         passes=_field(raw, "passes", list),

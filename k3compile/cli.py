@@ -512,6 +512,13 @@ def _check_tp(cfg: K3Config, tp: int) -> None:
         raise UserError(f"--tp {tp}: {e} (the model's heads and widths split evenly over the ranks)") from None
 
 
+def _check_dcp(tp: int, dcp: int, interleave: int) -> None:
+    if dcp < 1 or tp % dcp:
+        raise UserError(f"--dcp {dcp}: must be a divisor of --tp {tp} (DCP groups are made of TP ranks)")
+    if interleave < 1:
+        raise UserError(f"--dcp-interleave must be at least 1, got {interleave}")
+
+
 def _is_artifact_dir(path: Path) -> bool:
     from k3compile.artifact import FORMAT_NAME, MANIFEST
 
@@ -697,6 +704,16 @@ def optimize_command(
         int,
         typer.Option(help="Tensor-parallel degree: the artifact runs on this many processes (GPUs). Example: --tp 8"),
     ] = 1,
+    dcp: Annotated[
+        int,
+        typer.Option(
+            help="Decode context parallelism: split the MLA history by position over groups of this many "
+            "TP ranks (a divisor of --tp); runs pass split_mla_context. Example: --dcp 8",
+        ),
+    ] = 1,
+    dcp_interleave: Annotated[
+        int, typer.Option(help="Consecutive positions each DCP rank owns in turn. Example: --dcp-interleave 1")
+    ] = 1,
     target: Annotated[
         str,
         typer.Option(
@@ -759,6 +776,7 @@ def optimize_command(
     try:
         if tp < 1:
             raise UserError(f"--tp must be at least 1, got {tp}")
+        _check_dcp(tp, dcp, dcp_interleave)
         if block_size < 1:
             raise UserError(f"--block-size must be at least 1, got {block_size}")
         _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
@@ -778,7 +796,7 @@ def optimize_command(
 
         try:
             options = CompileOptions(
-                tp=tp, target=target, dtype=dtype, block_size=block_size,
+                tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=dtype, block_size=block_size,
                 enable=enabled, disable=disabled, validate=validate,
             )
         except ValueError as e:
@@ -786,7 +804,7 @@ def optimize_command(
 
         console.print(
             f"[bold]Compiling[/] {escape(str(model_dir))} ({_config_name(cfg)}, {cfg.num_hidden_layers} layers) "
-            f"for target {target}: tp {tp}, {dtype}, block size {block_size}"
+            f"for target {target}: tp {tp}{f', dcp {dcp}' if dcp > 1 else ''}, {dtype}, block size {block_size}"
             + (", validating every pass" if validate else ""),
             soft_wrap=True,
         )
@@ -843,7 +861,10 @@ def plan_command(
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree (GPUs). Example: --tp 8")] = 8,
     dcp: Annotated[
         int,
-        typer.Option(help="Decode context parallelism: the MLA history split over this many ranks. Example: --dcp 8"),
+        typer.Option(help="Decode context parallelism: the MLA history split by position over this many ranks (a divisor of --tp). Example: --dcp 8"),
+    ] = 1,
+    dcp_interleave: Annotated[
+        int, typer.Option(help="Consecutive positions each DCP rank owns in turn. Example: --dcp-interleave 1")
     ] = 1,
     context: Annotated[
         int, typer.Option(help="Tokens per sequence the caches hold. Example: --context 131072")
@@ -882,8 +903,7 @@ def plan_command(
             raise UserError("give exactly one of MODEL (a model directory or config.json) or --preset NAME")
         cfg = get_preset(preset) if preset is not None else read_config_file(model)
         _check_tp(cfg, tp)
-        if dcp != 1:
-            raise UserError(f"--dcp {dcp}: decode context parallelism is not implemented yet; only --dcp 1 is planned")
+        _check_dcp(tp, dcp, dcp_interleave)
         for option, value in (("--context", context), ("--sequences", sequences), ("--block-size", block_size)):
             if value < 1:
                 raise UserError(f"{option} must be at least 1, got {value}")
@@ -892,7 +912,10 @@ def plan_command(
         enabled, disabled = _pass_selection(enable, disable)
         from k3compile.compiler import DTYPES
 
-        options = MemoryOptions(tp, target, DTYPES[dtype], context, sequences, block_size, enabled, disabled)
+        options = MemoryOptions(
+            tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=DTYPES[dtype], context=context,
+            sequences=sequences, block_size=block_size, enable=enabled, disable=disabled,
+        )
         with _Steps(console) as steps:
             result = plan_memory(cfg, options, on_step=steps)
     except UserError as e:
@@ -912,7 +935,7 @@ def plan_table(result: Any) -> Table:
     """Rows: weight kinds, weight total, MLA KV, KDA state, total; columns: the stages."""
     cfg, o = result.config, result.options
     title = (
-        f"Memory per GPU: {_config_name(cfg)}, tp {o.tp}, target {o.target}, {str(o.dtype).removeprefix('torch.')}, "
+        f"Memory per GPU: {_config_name(cfg)}, tp {o.tp}{f', dcp {o.dcp}' if o.dcp > 1 else ''}, target {o.target}, {str(o.dtype).removeprefix('torch.')}, "
         f"{o.sequences} sequence(s) x {o.context} tokens (block {o.block_size})"
     )
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
@@ -1092,6 +1115,8 @@ def inspect_command(
     table.add_row("checkpoint", f"{escape(info.model_dir)} (weights are read from here at load)")
     run_with = f"torchrun --nproc-per-node {info.tp} -m k3compile run {escape(str(out))}"
     table.add_row("tp", f"{info.tp}" + (f" (run with: {run_with})" if info.tp > 1 else ""))
+    if info.dcp > 1:
+        table.add_row("dcp", f"{info.dcp} (MLA history split by position, interleave {info.dcp_interleave})")
     table.add_row(
         "target",
         escape(info.target)
@@ -1146,7 +1171,7 @@ def inspect_command(
             "  import tempfile\n"
             "  from k3compile.compiler import CompileOptions, optimize\n"
             f"  result = optimize({info.model_dir!r}, tempfile.mkdtemp(), CompileOptions(tp={info.tp}, "
-            f"target={info.target!r}, dtype={dtype!r}, block_size={info.block_size}), overwrite=True)\n"
+            f"dcp={info.dcp}, dcp_interleave={info.dcp_interleave}, target={info.target!r}, dtype={dtype!r}, block_size={info.block_size}), overwrite=True)\n"
             f"  rec = next(r for r in result.pipeline.records if r.pass_name == {example_pass!r} "
             f"and r.phase == {example_phase!r})\n"
             f"  print(rec{filt}.to_text())   # or display(rec{filt}) in Jupyter",
@@ -1305,7 +1330,7 @@ def run_command(
     cfg = info.config
     how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
     console.print(
-        f"[bold]{escape(str(out))}[/]: {_config_name(cfg)}, tp {info.tp}, {str(info.dtype).removeprefix('torch.')}, "
+        f"[bold]{escape(str(out))}[/]: {_config_name(cfg)}, tp {info.tp}{f', dcp {info.dcp}' if info.dcp > 1 else ''}, {str(info.dtype).removeprefix('torch.')}, "
         f"target {escape(info.target)}, on {rt.device}"
         + (" with CUDA graphs" if rt.graphs is not None else "")
         + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}",

@@ -27,6 +27,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 @dataclass(frozen=True)
 class CompileOptions:
     tp: int = 1
+    dcp: int = 1  # decode context parallelism (a divisor of tp), see k3compile/context_parallel.py
+    dcp_interleave: int = 1
     target: str = "cpu"
     dtype: str = "bfloat16"
     block_size: int = 16
@@ -61,7 +63,7 @@ def check_checkpoint_headers(model_dir: Path, captured: CapturedModel) -> LoadRe
     program = captured.programs[next(iter(captured.programs))]
     with CheckpointReader(model_dir, captured.config.checkpoint_prefix) as reader:
         for plan_rank in range(captured.plan.tp):
-            plan = ParallelPlan(captured.plan.tp, plan_rank)
+            plan = captured.plan.for_rank(plan_rank)
             for name, spec in captured.specs.items():
                 fill_parameter(reader, name, spec, plan, program.state_dict[name], report)
     return report
@@ -83,7 +85,7 @@ def optimize(
     model_dir = Path(model_dir)
     say = on_step or (lambda _msg: None)
     cfg = load_config(model_dir)
-    plan = ParallelPlan(options.tp, 0)
+    plan = ParallelPlan(options.tp, 0, options.dcp, options.dcp_interleave)
     captured = capture(
         cfg, plan, DTYPES[options.dtype], options.block_size, PHASES, on_phase=lambda p: say(f"capture {p}")
     )

@@ -55,6 +55,28 @@ class TPGroup:
         return stacked.unflatten(0, (self.size, -1)).movedim(0, d).flatten(d, d + 1)
 
 
+def init_context_parallel(plan) -> None:
+    """Create the DCP process groups of ``plan`` (every rank must call this, in the same
+    order) and register this rank's group under :data:`~k3compile.context_parallel.DCP_GROUP_NAME`,
+    the name the DCP collectives in a program use. Nothing to do at dcp=1."""
+    from k3compile.context_parallel import DCP_GROUP_NAME, dcp_groups
+
+    if plan.dcp == 1:
+        return
+    if not dist.is_initialized() or dist.get_world_size() != plan.tp:
+        raise RuntimeError(f"dcp={plan.dcp} needs the default process group of tp={plan.tp} ranks")
+    mine = None
+    for ranks in dcp_groups(plan.tp, plan.dcp):
+        group = dist.new_group(ranks) if plan.dcp < plan.tp else dist.group.WORLD
+        if plan.rank in ranks:
+            mine = group
+    try:
+        dist.distributed_c10d._unregister_process_group(DCP_GROUP_NAME)
+    except Exception:  # noqa: BLE001 - nothing registered under the name yet
+        pass
+    dist.distributed_c10d._register_process_group(DCP_GROUP_NAME, mine)
+
+
 def world_tp_group() -> TPGroup:
     """The default process group as the TP group (one process per rank, e.g. torchrun)."""
     if not dist.is_initialized():

@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind
 
 from k3compile.batch import CacheShape, KDALayerCache, MLALayerCache, allocate_caches
 from k3compile.config import K3Config
+from k3compile.context_parallel import ContextLayout, program_layout
 from k3compile.sharding import ParallelPlan, ShardSpec
 
 #: Weight kinds in report order, each with the checkpoint-name pattern that selects it
@@ -78,10 +79,19 @@ def weight_bytes_by_kind(program: ExportedProgram, specs: dict[str, ShardSpec]) 
 
 
 def cache_bytes(
-    cfg: K3Config, plan: ParallelPlan, dtype: torch.dtype, context: int, sequences: int, block_size: int
+    cfg: K3Config,
+    plan: ParallelPlan,
+    dtype: torch.dtype,
+    context: int,
+    sequences: int,
+    block_size: int,
+    context_split: bool = False,
 ) -> tuple[int, int]:
-    """(MLA latent KV, KDA state) bytes on one rank for ``sequences`` of ``context`` tokens."""
-    blocks = sequences * math.ceil(context / block_size)
+    """(MLA latent KV, KDA state) bytes on one rank for ``sequences`` of ``context`` tokens;
+    with ``context_split`` the MLA cache holds only the rank's DCP share of the positions
+    (the largest share: member 0's, rounded up to whole blocks)."""
+    stored = ContextLayout.of(plan).max_local_length(context) if context_split else context
+    blocks = sequences * math.ceil(stored / block_size)
     caches = allocate_caches(cfg, plan, CacheShape(sequences, blocks, block_size), dtype, device="meta")
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     mla = sum(nbytes(c.kv) for c in caches if isinstance(c, MLALayerCache))
@@ -98,6 +108,8 @@ class MemoryOptions:
     """The deployment the estimate is for."""
 
     tp: int = 8
+    dcp: int = 1
+    dcp_interleave: int = 1
     target: str = "mi355x"
     dtype: torch.dtype = torch.bfloat16
     context: int = 131072  # tokens per sequence
@@ -144,15 +156,16 @@ def plan_memory(
     say = on_step or (lambda _msg: None)
     target = get_target(options.target)
     pipeline = PipelineOptions(target=options.target, enable=options.enable, disable=options.disable)
-    names = [p.name for p in resolve_passes(target, pipeline)]
-    plan = ParallelPlan(options.tp, 0)
+    plan = ParallelPlan(options.tp, 0, options.dcp, options.dcp_interleave)
+    names = [p.name for p in resolve_passes(target, pipeline, plan)]
     say("capture decode")
     captured = capture(cfg, plan, options.dtype, options.block_size, phases=("decode",))
     program = captured.programs["decode"]
     propagate_placements(program.graph_module, program, captured.specs, plan)
 
     def estimate() -> MemoryEstimate:
-        mla, kda = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences, options.block_size)
+        split = program_layout(program.graph_module) is not None
+        mla, kda = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences, options.block_size, split)
         return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), mla, kda)
 
     result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program)
@@ -160,8 +173,8 @@ def plan_memory(
 
     for name in names:
         say(f"pass {name}")
-        only = PipelineOptions(target=options.target, enable=(name,), disable=tuple(n for n in ALL_PASSES if n != name))
-        run_pipeline(captured.programs, cfg, plan, captured.specs, only, constants=captured.constants)
+        run_pipeline(captured.programs, cfg, plan, captured.specs, pipeline, constants=captured.constants,
+                     passes=[ALL_PASSES[name]()])
         after = estimate()
         if after != result.stages[-1][1]:
             result.stages.append((name, after))

@@ -247,8 +247,14 @@ class PipelineOptions:
     pass_configs: tuple[tuple[str, Any], ...] = ()  # (pass name, its Config instance)
 
 
-def resolve_passes(target: Target, options: PipelineOptions) -> list[GraphPass]:
-    """The ordered pass instances for ``target`` after enable/disable; unknown names fail."""
+#: Passes a parallel plan cannot run without: decode context parallelism lays the MLA
+#: cache out by position, which only the rewritten attention reads correctly.
+DCP_PASS = "split_mla_context"
+
+
+def resolve_passes(target: Target, options: PipelineOptions, plan: ParallelPlan | None = None) -> list[GraphPass]:
+    """The ordered pass instances for ``target`` after enable/disable (plus what ``plan``
+    requires: ``split_mla_context`` when dcp > 1); unknown names fail."""
     from k3compile.passes import ALL_PASSES
 
     for name in (*options.enable, *options.disable, *(n for n, _ in options.pass_configs)):
@@ -256,6 +262,11 @@ def resolve_passes(target: Target, options: PipelineOptions) -> list[GraphPass]:
             raise ValueError(f"unknown pass {name!r}; known passes: {', '.join(sorted(ALL_PASSES))}")
     names = [n for n in target.default_passes if n not in options.disable]
     names += [n for n in options.enable if n not in names and n not in options.disable]
+    if plan is not None and plan.dcp > 1:
+        if DCP_PASS in options.disable:
+            raise ValueError(f"dcp={plan.dcp} needs pass {DCP_PASS}; it cannot be disabled")
+        if DCP_PASS not in names:
+            names.append(DCP_PASS)
     # Keep the canonical order of ALL_PASSES for enabled extras.
     order = list(ALL_PASSES)
     names.sort(key=order.index)
@@ -288,6 +299,7 @@ def run_pipeline(
     | None = None,
     on_pass: Callable[[str, str], None] | None = None,
     constants: dict[str, ShardOffset] | None = None,
+    passes: list[GraphPass] | None = None,
 ) -> PipelineResult:
     """Run the passes over every phase's program in place and record each step.
 
@@ -295,7 +307,8 @@ def run_pipeline(
     the program (and parameter specs) before the pass and the program after it, and
     returns a report with ``max_error`` and ``ok`` (see :mod:`k3compile.validation`); a
     failing report raises :class:`PassError`. ``constants`` (the per-rank constant buffers,
-    shared by all phases) is updated in place by passes that add one."""
+    shared by all phases) is updated in place by passes that add one. ``passes`` overrides
+    the pass list (default: :func:`resolve_passes` for the options' target and ``plan``)."""
     from k3compile.placement import propagate_placements
     from k3compile.records import PassRecord, snapshot
     from k3compile.targets import get_target
@@ -304,7 +317,7 @@ def run_pipeline(
     records = []
     constants = constants if constants is not None else {}
     validating = options.validate and validator is not None
-    for graph_pass in resolve_passes(target, options):
+    for graph_pass in passes if passes is not None else resolve_passes(target, options, plan):
         # The specs as the pass found them: a pass that reshards a parameter does so in
         # every phase, so later phases' "before" programs still match these.
         specs_before = copy.deepcopy(specs) if validating else None

@@ -9,6 +9,13 @@ tensor node is the local part of a logical tensor:
   non-negative: ``Shard(-1)`` of a 2-D tensor is ``Shard(1)``).
 - ``Partial("sum")`` (P): the logical tensor is the sum over ranks of the local tensors
   (``Partial("max")``/``("avg")`` come from reductions over a sharded dim).
+- ``RankLocal()`` (L): a value of this rank alone (decode context parallelism: the MLA
+  cache, block table and slot mapping of the rank's own positions, and attention over
+  them). In a program in the context-parallel layout (``gm.meta["context_parallel"]``)
+  the user inputs that op rules list as ``context_split`` are L; any op with an L input
+  gives L outputs (with a Partial input it fails); the collectives over the DCP group
+  (``k3compile.context_parallel.DCP_GROUP_NAME``) turn an all-gather into L and a
+  ``sum`` reduce-scatter of L into ``Shard(0)`` (the merge hands each rank its heads).
 
 ``propagate_placements`` sets ``node.meta["placement"]`` on every node: a placement for a
 tensor, ``Replicate()`` for a symbolic or Python scalar (sizes are the same on every rank:
@@ -140,7 +147,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from k3compile.sharding import ParallelPlan, Partial, Placement, Replicate, Shard, ShardSpec
+from k3compile.context_parallel import DCP_GROUP_NAME, program_layout
+from k3compile.sharding import ParallelPlan, Partial, Placement, RankLocal, Replicate, Shard, ShardSpec
 
 __all__ = [
     "OpRule",
@@ -348,6 +356,9 @@ class OpRule:
     primary: str | None = None  # operand whose numel ``flops_per_element`` scales
     flops_per_element: float = 1.0
     description: str = ""
+    #: Args whose inputs hold this rank's own positions in the context-parallel layout
+    #: (the MLA cache, block table, slot mapping): placed RankLocal there.
+    context_split: tuple[str, ...] = ()
 
     def cost_of(self, call: CostCall) -> Cost:
         if self.cost is not None:
@@ -422,6 +433,7 @@ def split(
     caches: Sequence[str] = (),
     flops_per_element: float = 1.0,
     cost: Callable[[CostCall], Cost] | None = None,
+    context_split: Sequence[str] = (),
 ) -> OpRule:
     """Independent per slice of one split dimension: all tensor args R -> R, or the args of
     ``shard`` ``Shard(dim)`` (all others R) -> ``out``."""
@@ -448,10 +460,13 @@ def split(
     cache_pl = {c: (Shard(shard[c]) if c in shard else R) for c in caches}
     return OpRule("split", propagate, caches=tuple(caches), cache_placements=cache_pl, cost=cost,
                   primary=next(iter(shard), None), flops_per_element=flops_per_element,
-                  description=f"split by {what}: {expected_desc} -> {_fmt(outs)}")
+                  description=f"split by {what}: {expected_desc} -> {_fmt(outs)}",
+                  context_split=tuple(context_split))
 
 
-def replicated(*, caches: Sequence[str] = (), cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
+def replicated(
+    *, caches: Sequence[str] = (), cost: Callable[[CostCall], Cost] | None = None, context_split: Sequence[str] = ()
+) -> OpRule:
     """Every tensor arg must be Replicate; outputs Replicate."""
 
     def propagate(node: Node, pls: dict[str, Any]) -> PlacementValue:
@@ -460,7 +475,19 @@ def replicated(*, caches: Sequence[str] = (), cost: Callable[[CostCall], Cost] |
         return _outputs(node, R)
 
     return OpRule("replicated", propagate, caches=tuple(caches), cache_placements={c: R for c in caches},
-                  cost=cost, description="replicated only")
+                  cost=cost, description="replicated only", context_split=tuple(context_split))
+
+
+def rank_local(*, cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
+    """Outputs ``RankLocal`` from Replicate (or RankLocal) inputs: a value that depends on
+    the rank (e.g. its share of each context length under context parallelism)."""
+
+    def propagate(node: Node, pls: dict[str, Any]) -> PlacementValue:
+        if any(not isinstance(p, (Replicate, RankLocal)) for p in _flat(pls.values())):
+            _fail(node, "expects Replicate or RankLocal inputs", pls)
+        return _outputs(node, RankLocal())
+
+    return OpRule("rank_local", propagate, cost=cost, description="per-rank value")
 
 
 def shard_into_partial(acc: str, block: str, dim: str, *, flops_per_element: float = 1.0) -> OpRule:
@@ -1162,12 +1189,24 @@ def _all_gather(node: Node, bound: dict[str, Any]) -> PlacementValue:
     p = bound["input"].meta["placement"]
     if isinstance(p, Partial):
         _fail(node, "all_gather of a Partial stacks unreduced sums (all-reduce instead)", _input_placements(bound))
+    if bound["group_name"] == DCP_GROUP_NAME:
+        return RankLocal()  # the blocks of this rank's DCP group only
+    if isinstance(p, RankLocal):
+        _fail(node, "all_gather of RankLocal values over the TP group has no placement", _input_placements(bound))
     return R  # the ranks' blocks stacked along dim 0: the same tensor on every rank
 
 
 def _reduce_scatter(node: Node, bound: dict[str, Any]) -> PlacementValue:
     p = bound["input"].meta["placement"]
     op = str(bound["reduce_op"]).lower()
+    if bound["group_name"] == DCP_GROUP_NAME:
+        # The DCP merge (passes/split_mla_context.py): each member's LSE-rescaled partial
+        # attention over all the group's heads, heads first in member order; the sum over
+        # the group's positions is scattered back so that every rank gets its own heads,
+        # which is the TP split of the heads: Shard(0).
+        if not isinstance(p, RankLocal) or op != "sum":
+            _fail(node, "a DCP reduce_scatter merges RankLocal partials with 'sum'", _input_placements(bound))
+        return Shard(0)
     if not isinstance(p, Partial) or p.reduce_op != op:
         _fail(node, f"reduce_scatter({op!r}) needs a Partial({op}) input", _input_placements(bound))
     return Shard(0)
@@ -1225,6 +1264,26 @@ def _cache_placements(gm: GraphModule, user_inputs: set[str], plan: ParallelPlan
                     )
                 out[v.name] = pl
                 origin[v.name] = node.name
+    if program_layout(gm) is not None:
+        out.update(_context_split_inputs(gm, user_inputs))
+    return out
+
+
+def _context_split_inputs(gm: GraphModule, user_inputs: set[str]) -> dict[str, Placement]:
+    """In the context-parallel layout: user inputs that ops declare as holding this rank's
+    own positions (MLA cache, block table, slot mapping) are RankLocal."""
+    out: dict[str, Placement] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        rule = op_rule(node.target) if node.target.namespace != "aten" else None
+        if rule is None or not rule.context_split:
+            continue
+        bound = _bind(node)
+        for name in rule.context_split:
+            v = bound.get(name)
+            if isinstance(v, Node) and v.op == "placeholder" and v.name in user_inputs:
+                out[v.name] = RankLocal()
     return out
 
 
@@ -1267,6 +1326,8 @@ def _call(node: Node) -> PlacementValue:
         return _cond(node)
     if isinstance(target, torch._ops.OpOverload):
         bound = _bind(node)
+        if target.namespace != "_c10d_functional" and _has_rank_local(node, bound):
+            return _outputs(node, RankLocal())  # collectives have their own RankLocal rules
         if target.namespace not in ("aten", "_c10d_functional", "prims"):
             rule = op_rule(target)
             if rule is None:
@@ -1282,6 +1343,19 @@ def _call(node: Node) -> PlacementValue:
     if not any(_is_tensor(a) for a in vals) and not _tensor_vals(node.meta.get("val")):
         return R if node.meta.get("val") is not None else None
     _fail(node, "no placement rule for this callable", {f"arg{i}": _placement(a) for i, a in enumerate(vals)})
+
+
+def _has_rank_local(node: Node, bound: dict[str, Any]) -> bool:
+    """Whether an input is RankLocal: then every output is (a value computed from one
+    rank's own values); otherwise the op's own rule applies. A Partial among them has no
+    meaning."""
+    pls = _input_placements(bound)
+    flat = _flat(pls.values())
+    if not any(isinstance(p, RankLocal) for p in flat):
+        return False
+    if any(isinstance(p, Partial) for p in flat):
+        _fail(node, "RankLocal and Partial inputs together", pls)
+    return True
 
 
 def _branch(node: Node, index: int) -> GraphModule:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3compile.batch import Batch, CacheShape
+from k3compile.context_parallel import SCRATCH_SLOT, ContextLayout
 
 
 class RequestError(ValueError):
@@ -32,13 +33,28 @@ class SequenceTable:
     """Slots and cache blocks of the live sequences.
 
     ``reserved_slots``/``reserved_blocks`` are kept out of the free lists: the runtime
-    points the padding rows of CUDA-graph batches at them."""
+    points the padding rows of CUDA-graph batches at them.
 
-    def __init__(self, vocab_size: int, shape: CacheShape, reserved_slots: int = 0, reserved_blocks: int = 0):
+    Under decode context parallelism (``layout.dcp > 1``) the blocks are this rank's: a
+    sequence holds blocks for the positions the rank owns, stored densely in position
+    order, and a new token the rank does not own is written to the scratch slot (block 0
+    offset 0, which must be reserved). ``seq_lens`` in the batches stays global."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        shape: CacheShape,
+        reserved_slots: int = 0,
+        reserved_blocks: int = 0,
+        layout: ContextLayout = ContextLayout(),
+    ):
         if reserved_slots >= shape.num_slots or reserved_blocks >= shape.num_blocks:
             raise ValueError(f"cache shape {shape} leaves nothing after the reserved slots/blocks")
+        if layout.dcp > 1 and reserved_blocks < 1:
+            raise ValueError("context parallelism writes tokens a rank does not own to block 0: reserve it")
         self.vocab_size = vocab_size
         self.shape = shape
+        self.layout = layout
         self.sequences: dict[int, Sequence] = {}
         self.free_slots = list(range(reserved_slots, shape.num_slots))
         self.free_blocks = list(range(reserved_blocks, shape.num_blocks))
@@ -84,7 +100,7 @@ class SequenceTable:
         """Give each sequence the blocks its new tokens need, or fail changing nothing."""
         bs = self.shape.block_size
         need = [
-            max(0, -(-(self.sequences[s].length + n) // bs) - len(self.sequences[s].blocks))
+            max(0, -(-self.layout.local_length(self.sequences[s].length + n) // bs) - len(self.sequences[s].blocks))
             for s, n in zip(seq_ids, counts)
         ]
         if sum(need) > len(self.free_blocks):
@@ -114,13 +130,18 @@ class SequenceTable:
         cu = [0]
         for n in counts:
             cu.append(cu[-1] + n)
-        width = table_width or max(len(s.blocks) for s in seqs)
+        width = table_width or max(1, *(len(s.blocks) for s in seqs))
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         slot_mapping = []
+        layout = self.layout
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
             for pos in range(seq.length, seq.length + n):
-                slot_mapping.append(seq.blocks[pos // bs] * bs + pos % bs)
+                if not layout.owns(pos):
+                    slot_mapping.append(SCRATCH_SLOT)
+                    continue
+                local = layout.local_position(pos)
+                slot_mapping.append(seq.blocks[local // bs] * bs + local % bs)
         logit_indices = list(range(cu[-1])) if all_logits else [c - 1 for c in cu[1:]]
         return Batch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),

@@ -13,6 +13,7 @@ the sum over ranks of what each rank holds).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -52,21 +53,52 @@ class Partial:
         return "P"
 
 
-Placement = Replicate | Shard | Partial
+@dataclass(frozen=True)
+class RankLocal:
+    """A value of this rank alone, not a block, copy or summand of one logical tensor:
+    under decode context parallelism the MLA cache, block table and slot mapping, and
+    the attention partials over a rank's own positions (merged by an LSE-weighted
+    collective, which no sum/concat placement describes)."""
+
+    def __str__(self) -> str:
+        return "L"
+
+
+Placement = Replicate | Shard | Partial | RankLocal
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """How the model is split: tensor parallelism ``tp``; this process is ``rank``."""
+    """How the model is split: tensor parallelism ``tp``; this process is ``rank``.
+
+    Decode context parallelism ``dcp`` (a divisor of ``tp``) splits the MLA history by
+    position within groups of ``dcp`` consecutive TP ranks: position p is stored by
+    group member ``(p // dcp_interleave) % dcp`` (see :mod:`k3compile.context_parallel`).
+    The weights stay split by ``tp`` alone."""
 
     tp: int = 1
     rank: int = 0
+    dcp: int = 1
+    dcp_interleave: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ShardingError(f"tp must be >= 1, got {self.tp}")
         if not 0 <= self.rank < self.tp:
             raise ShardingError(f"rank {self.rank} is outside [0, tp={self.tp})")
+        if self.dcp < 1 or self.tp % self.dcp:
+            raise ShardingError(f"dcp must be a divisor of tp={self.tp}, got {self.dcp}")
+        if self.dcp_interleave < 1:
+            raise ShardingError(f"dcp_interleave must be >= 1, got {self.dcp_interleave}")
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's index in its DCP group (which positions it stores)."""
+        return self.rank % self.dcp
+
+    def for_rank(self, rank: int) -> ParallelPlan:
+        """The same plan seen from ``rank``."""
+        return dataclasses.replace(self, rank=rank)
 
 
 @dataclass(frozen=True)
@@ -152,14 +184,20 @@ class ShardSpec:
 class ShardOffset:
     """A per-rank constant: where this rank's block of ``extent`` starts (e.g. the first
     vocabulary id of its embedding rows). Programs are shared by all ranks (SPMD), so such
-    a value is a graph input (a buffer) filled per rank at load, never a baked-in number."""
+    a value is a graph input (a buffer) filled per rank at load, never a baked-in number.
+
+    ``extent`` is split into ``period`` blocks (default: ``tp``), and ranks take them in
+    turn: rank r starts at ``(r % period) * extent // period``. A DCP group of ``period``
+    ranks uses it for the first position each member owns in a cycle of positions."""
 
     extent: int
+    period: int | None = None
 
     def value(self, plan: ParallelPlan) -> int:
-        if self.extent % plan.tp:
-            raise ShardingError(f"extent {self.extent} does not divide by tp={plan.tp}")
-        return plan.rank * (self.extent // plan.tp)
+        period = self.period or plan.tp
+        if self.extent % period:
+            raise ShardingError(f"extent {self.extent} does not divide into {period} blocks")
+        return (plan.rank % period) * (self.extent // period)
 
     def tensor(self, plan: ParallelPlan, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.tensor(self.value(plan), dtype=torch.int64, device=device)

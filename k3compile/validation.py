@@ -30,6 +30,8 @@ from k3compile.batch import CacheShape, KDALayerCache, allocate_caches
 from k3compile.capture import flatten_caches
 from k3compile.checkpoint.generate import random_tensor
 from k3compile.config import K3Config
+from k3compile.context_parallel import ContextLayout, localize_step, mla_cache_indices, program_layout
+from k3compile.distributed import init_context_parallel
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
 
 
@@ -71,11 +73,16 @@ def random_step_inputs(
     block_size: int,
     seed: int = 0,
     num_seqs: int = 3,
+    fresh_prefill: bool = False,
 ) -> list:
-    """User inputs of one valid random step of ``phase`` (StepModule order)."""
+    """User inputs of one valid random step of ``phase`` (StepModule order). With
+    ``fresh_prefill`` a prefill step starts every sequence (no earlier context), as
+    context-parallel prefill requires."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     prior = [rng.randint(0 if phase == "prefill" else 1, 2 * block_size + 3) for _ in range(num_seqs)]
+    if fresh_prefill and phase == "prefill":
+        prior = [0] * num_seqs
     new = [1 if phase == "decode" else rng.randint(1, 6) for _ in range(num_seqs)]
     blocks_needed = [-(-(p + n) // block_size) for p, n in zip(prior, new)]
     num_blocks = sum(blocks_needed) + 3
@@ -140,22 +147,46 @@ class _Job:
     before_specs: dict[str, ShardSpec]
     after_specs: dict[str, ShardSpec]
     num_seqs: tuple[int, ...] = (3,)
+    plan: ParallelPlan = ParallelPlan()  # any rank's: the parallel layout
+    #: Whether each program is in the context-parallel MLA cache layout (k3compile/context_parallel.py).
+    before_split: bool = False
+    after_split: bool = False
 
 
 def _compare(job: _Job, plan: ParallelPlan, before: ExportedProgram, after: ExportedProgram) -> dict[str, float]:
     """Errors of ``after`` against ``before`` on this rank's slice of random steps, one
-    per entry of ``job.num_seqs`` (keys of steps after the first carry ``@<num_seqs>``)."""
+    per entry of ``job.num_seqs`` (keys of steps after the first carry ``@<num_seqs>``).
+
+    A program in the context-parallel layout gets the step as this rank sees it there
+    (its own MLA positions, block table and slot mapping); its MLA caches are compared
+    at the positions it owns."""
     dtype = next(iter(before.state_dict.values())).dtype
+    layout = ContextLayout.of(plan)
+    mla = set(mla_cache_indices(job.config.layer_kinds))
     errors: dict[str, float] = {}
     for i, num_seqs in enumerate(job.num_seqs):
-        inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed, num_seqs)
+        inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed, num_seqs,
+                                    fresh_prefill=plan.dcp > 1)
         runs = []
-        for program, specs in ((before, job.before_specs), (after, job.after_specs)):
+        for program, specs, split in ((before, job.before_specs, job.before_split),
+                                      (after, job.after_specs, job.after_split)):
             params = random_parameters(job.config, program, specs, plan, job.seed, job.constants)
             ins = copy.deepcopy(inputs)
+            local = localize_step(job.config.layer_kinds, ins, layout) if split else None
+            ins = local.inputs if local else ins
             with torch.no_grad():
-                runs.append((run_graph(program.graph_module, program, params, ins), ins[-1]))
-        (out_b, caches_b), (out_a, caches_a) = runs
+                out = run_graph(program.graph_module, program, params, ins)
+            caches = list(ins[-1])
+            if local is not None:  # the owned positions, in the order of the global ones
+                for k in mla:
+                    caches[k] = caches[k].view(-1, caches[k].shape[-1])[local.local_slots]
+            runs.append((out, caches, local))
+        (out_b, caches_b, local_b), (out_a, caches_a, local_a) = runs
+        if (local_a is None) != (local_b is None):  # compare the global cache at the owned positions too
+            local = local_a or local_b
+            target = caches_b if local_b is None else caches_a
+            for k in mla:
+                target[k] = target[k].view(-1, target[k].shape[-1])[local.global_slots]
         suffix = f"@{num_seqs}" if i else ""
         errors.update({f"output{k}{suffix}": _error(a, b) for k, (a, b) in enumerate(zip(out_a, out_b))})
         errors.update({f"cache{k}{suffix}": _error(a, b) for k, (a, b) in enumerate(zip(caches_a, caches_b))})
@@ -173,8 +204,10 @@ def _program_bytes(program: ExportedProgram) -> bytes:
 def _validate_rank(rank: int, world: int, job: _Job, before: bytes, after: bytes) -> dict[str, float]:
     """One gloo rank of a multi-rank validation (run by ``run_ranks``)."""
     torch.set_num_threads(1)
+    plan = job.plan.for_rank(rank)
+    init_context_parallel(plan)
     load = lambda b: torch.export.load(io.BytesIO(b))  # noqa: E731
-    return _compare(job, ParallelPlan(world, rank), load(before), load(after))
+    return _compare(job, plan, load(before), load(after))
 
 
 class TranslationValidator:
@@ -208,7 +241,8 @@ class TranslationValidator:
     ) -> ValidationReport:
         constants = {**self.constants, **getattr(ctx, "constants", {})}  # the pass may have added some
         job = _Job(ctx.config, phase, self.seed, self.block_size, constants, before_specs, dict(ctx.specs),
-                   self.num_seqs)
+                   self.num_seqs, ctx.plan, program_layout(before.graph_module) is not None,
+                   program_layout(after.graph_module) is not None)
         if ctx.plan.tp == 1:
             errors = _compare(job, ctx.plan, before, after)
         else:

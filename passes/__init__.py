@@ -9,7 +9,14 @@ from k3compile.passes.fuse_kda_decode import FuseKDADecode
 from k3compile.passes.pad_attention_heads import PadAttentionHeads
 from k3compile.passes.remove_noops import RemoveNoops
 from k3compile.passes.sink_copies import SinkCopies
+from k3compile.passes.split_mla_context import SplitMLAContext
 
-ALL_PASSES = {p.name: p for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies, FuseKDADecode, PadAttentionHeads)}
+ALL_PASSES = {
+    p.name: p
+    for p in (RemoveNoops, DedupReplicatedLinear, SinkCopies, FuseKDADecode, SplitMLAContext, PadAttentionHeads)
+}
 
-__all__ = ["ALL_PASSES", "DedupReplicatedLinear", "FuseKDADecode", "PadAttentionHeads", "RemoveNoops", "SinkCopies"]
+__all__ = [
+    "ALL_PASSES", "DedupReplicatedLinear", "FuseKDADecode", "PadAttentionHeads", "RemoveNoops", "SinkCopies",
+    "SplitMLAContext",
+]

@@ -9,6 +9,12 @@ per MLA layer and KDA conv + recurrent state slots per KDA layer. Slot 0 and blo
 scratch: padding rows of a CUDA-graph batch bucket write there, so a padded decode step
 needs no data-dependent masking.
 
+Under decode context parallelism (an artifact compiled with ``--dcp D``) each rank's MLA
+caches hold only the positions it owns (k3compile/context_parallel.py): they are sized
+for its share of ``max_context``, its block tables and slot mappings are its own (tokens
+it does not own go to the scratch block), and its DCP process group is registered under
+the name the programs' collectives use. Prefill then starts new sequences only.
+
 On GPU, decode runs under CUDA/HIP graphs, one per batch bucket (1, 2, 4, ... up to the
 slot count): the step's metadata is copied into static buffers and the graph replayed.
 Prefill runs eagerly (its packed shapes vary).
@@ -31,6 +37,8 @@ from k3compile.artifact import LoadedArtifact, load_artifact
 from k3compile.batch import Batch, CacheShape, allocate_caches
 from k3compile.capture import flatten_caches
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
+from k3compile.context_parallel import ContextLayout
+from k3compile.distributed import init_context_parallel
 from k3compile.reference import zero_state_slot
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
@@ -115,16 +123,18 @@ class Runtime:
         self.rank = rank
         self.device = device
         self.options = options
-        self.plan = ParallelPlan(artifact.info.tp, rank)
+        self.plan = artifact.plan(rank)
+        self.layout = ContextLayout.of(self.plan)
+        init_context_parallel(self.plan)
         bs = artifact.info.block_size
-        blocks_per_seq = -(-options.max_context // bs)
+        blocks_per_seq = -(-self.layout.max_local_length(options.max_context) // bs)
         self.max_blocks_per_seq = blocks_per_seq
         shape = CacheShape(
             num_slots=options.max_sequences + 1, num_blocks=options.max_sequences * blocks_per_seq + 1, block_size=bs
         )
         self.caches = allocate_caches(self.cfg, self.plan, shape, artifact.info.dtype, device)
         self.cache_tensors = flatten_caches(self.caches)
-        self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1)
+        self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1, layout=self.layout)
         self.weights, self.load_report = load_rank_weights(
             artifact, artifact.programs["decode"], self.plan, device, on_progress
         )
@@ -135,7 +145,8 @@ class Runtime:
         self.modules = {}
         for phase, program in artifact.programs.items():
             module = program.module()
-            module.load_state_dict(self.weights, assign=True)
+            # Per-rank constants exist only in the programs whose passes added them.
+            module.load_state_dict({k: v for k, v in self.weights.items() if k in program.state_dict}, assign=True)
             self.modules[phase] = module
         use_graphs = options.cuda_graphs if options.cuda_graphs is not None else device.type == "cuda"
         self.graphs = _DecodeGraphs(self) if use_graphs else None
@@ -155,6 +166,11 @@ class Runtime:
         for s, n in zip(seq_ids, counts):
             if self.table.sequences[s].length + n > self.options.max_context:
                 raise RequestError(f"sequence {s}: context beyond capacity ({self.options.max_context} tokens)")
+            if self.layout.dcp > 1 and n > 1 and self.table.sequences[s].length > 0:
+                raise RequestError(
+                    f"sequence {s}: {n} new tokens after {self.table.sequences[s].length}; with decode context "
+                    "parallelism, prefill starts new sequences only and existing ones decode one token per step"
+                )
         self.table.reserve(seq_ids, counts)
         decode = all(n == 1 for n in counts)
         if decode and self.graphs is not None and len(seq_ids) <= self.graphs.max_batch:

@@ -114,7 +114,7 @@ def test_layout_and_manifest(saved, captured, model_dir):
     assert m["config"] == json.loads(json.dumps(PRESETS["tiny"].to_dict()))
     assert m["model_dir"] == str(Path(model_dir).resolve()) and Path(m["model_dir"]).is_absolute()
     assert m["checkpoint_index_sha256"] == _sha(Path(model_dir) / INDEX_FILE)
-    assert (m["dtype"], m["block_size"], m["parallel"], m["target"]) == ("float32", 16, {"tp": 1, "dcp": 1}, "cpu")
+    assert (m["dtype"], m["block_size"], m["parallel"], m["target"]) == ("float32", 16, {"tp": 1, "dcp": 1, "dcp_interleave": 1}, "cpu")
     assert m["passes"] == PASSES and m["phases"] == ["decode", "prefill"]
     assert m["capture_stats"]["nodes"] == captured.stats.nodes
     assert set(m["files"]) == set(files) - {"manifest.json", "manifest.sha256"}

@@ -91,7 +91,7 @@ def test_help_lists_new_commands_and_flow():
         sub = invoke(command, "--help")
         assert sub.exit_code == 0
         assert f"Example: k3compile {command}" in sub.stdout
-    assert "--dcp" not in invoke("optimize", "--help").stdout
+    assert "--dcp" in invoke("optimize", "--help").stdout and "split_mla_context" in invoke("optimize", "--help").stdout
 
 
 # ----- optimize -----------------------------------------------------------------------

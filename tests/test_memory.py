@@ -21,11 +21,12 @@ def _moe_layers(cfg) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
-def _expected_caches(cfg, tp: int, context: int, sequences: int, block: int) -> tuple[int, int]:
+def _expected_caches(cfg, tp: int, context: int, sequences: int, block: int, dcp: int = 1) -> tuple[int, int]:
     lin = cfg.linear_attn
     n_mla = sum(k == "mla" for k in cfg.layer_kinds)
     n_kda = cfg.num_hidden_layers - n_mla
-    mla = n_mla * sequences * math.ceil(context / block) * block * cfg.mla_cache_width * 2  # bf16
+    stored = math.ceil(context / dcp)  # DCP member 0's share of the positions (interleave 1)
+    mla = n_mla * sequences * math.ceil(stored / block) * block * cfg.mla_cache_width * 2  # bf16
     heads = lin.num_heads // tp
     conv = 3 * heads * lin.head_dim * (lin.short_conv_kernel_size - 1) * 2  # q, k, v conv states, bf16
     state = heads * lin.head_dim * lin.head_dim * 4  # fp32 recurrent state
@@ -63,7 +64,8 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
     assert "passes that ran without changing memory: remove_noops, sink_copies" in ok.stdout
     errors = {
         ("--tp", "3"): "--tp 3:",
-        ("--dcp", "2"): "--dcp 2: decode context parallelism is not implemented yet",
+        ("--dcp", "3"): "--dcp 3: must be a divisor of --tp 2",
+        ("--dcp-interleave", "0"): "--dcp-interleave must be at least 1",
         ("--context", "0"): "--context must be at least 1",
         ("--target", "tpu"): "--target: unknown target 'tpu'",
     }
@@ -74,18 +76,34 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
     assert both.exit_code == 2 and "exactly one of MODEL" in both.stderr
 
 
+def test_plan_tiny_dcp2_halves_the_mla_cache():
+    cfg = get_preset("tiny")
+    context, seqs, block = 96, 2, 16
+    plan = plan_memory(cfg, MemoryOptions(tp=2, dcp=2, target="cpu", context=context, sequences=seqs, block_size=block))
+    assert [name for name, _ in plan.stages] == ["no passes", "dedup_replicated_linear", "split_mla_context"]
+    before, after = plan.stages[1][1], plan.stages[2][1]
+    assert before.mla_kv == _expected_caches(cfg, 2, context, seqs, block)[0]
+    assert after.mla_kv == _expected_caches(cfg, 2, context, seqs, block, dcp=2)[0] == before.mla_kv // 2
+    assert plan.saved_by("split_mla_context") == before.mla_kv // 2
+    assert (after.weights, after.kda_state) == (before.weights, before.kda_state)
+
+
 @pytest.mark.slow
-def test_plan_full_k3_tp8_reports_the_dedup_saving():
-    """The full 2.8T config on meta, TP8: the dedup pass saves 7/8 of every routed-expert
-    up-projection (7168 x 3584 bf16) on each GPU; after sink_copies the decode graph has
-    no copy left outside the one cond branch that reads it (69 KDA layers)."""
+def test_plan_full_k3_tp8_dcp8_reports_the_dedup_and_dcp_savings():
+    """The full 2.8T config on meta, TP8 with DCP8: the dedup pass saves 7/8 of every
+    routed-expert up-projection (7168 x 3584 bf16) on each GPU, the DCP pass 7/8 of the
+    MLA latent cache (24 layers x 576 bf16 per token); after sink_copies the decode graph
+    has no copy left outside the one cond branch that reads it (69 KDA layers)."""
     cfg = get_preset("k3")
-    plan = plan_memory(cfg, MemoryOptions(tp=8, target="mi355x", context=131072, sequences=1, dtype=torch.bfloat16))
+    context = 131072
+    plan = plan_memory(cfg, MemoryOptions(tp=8, dcp=8, target="mi355x", context=context, sequences=1,
+                                          dtype=torch.bfloat16))
     saved = plan.saved_by("dedup_replicated_linear")
     assert saved == _moe_layers(cfg) * 7168 * 3584 * 2 * 7 // 8
     assert 4.0 * GiB > saved > 3.5 * GiB
+    assert plan.saved_by("split_mla_context") == 24 * context * 576 * 2 * 7 // 8  # 3.94 GiB at 128K
     final = plan.final
-    assert (final.mla_kv, final.kda_state) == _expected_caches(cfg, 8, 131072, 1, 16)
+    assert (final.mla_kv, final.kda_state) == _expected_caches(cfg, 8, context, 1, 16, dcp=8)
     gm = plan.program.graph_module
     assert sum(n.target is COND for n in gm.graph.nodes) == 69
     assert copies_confined_to_one_branch(gm) == []

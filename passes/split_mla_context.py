@@ -1,0 +1,188 @@
+"""Split the MLA KV cache by context for decode context parallelism (DCP).
+
+Under TP every rank computes its own heads but caches the latent of every token, so the
+MLA history is stored ``tp`` times (1.96 GB per GPU of FP8 latent at 142K tokens in K3 at
+TP8). With ``--dcp D`` each group of D consecutive TP ranks splits the history by
+position instead (k3compile/context_parallel.py: position p is stored by member
+``(p // interleave) % D``). Decode attention then needs every query against every
+member's positions; the pass rewrites each decode MLA attention node into:
+
+1. an all-gather of the absorbed queries over the DCP group (each member now holds the
+   D*h heads of its group),
+2. attention of those heads over the member's own positions (``k3.dcp_local_lengths``
+   turns the global context lengths into its share), giving a partial output and LSE,
+3. the merge: an all-gather of the LSEs, each member scaling its partial by
+   ``exp(lse_k - logsumexp_j lse_j)`` (``k3.dcp_rescale``, heads first), and a
+   reduce-scatter that sums the terms and hands every member its own h heads back.
+
+A member that owns no position of a sequence yet (length <= its first position) has an
+empty attention: LSE -inf, weight 0. The merge is exact up to rounding (softmax over a
+union of disjoint position sets).
+
+Before (layer 4 of ``tiny-h24`` at TP2, decode, h = 12 heads per rank)::
+
+    %cat_3        = aten.cat([%einsum_2, %slice_12], -1)                       (s, 12, 40) S(1)
+    %mla_decode_1 = k3.mla_decode(%cat_3, %caches_13, %block_table, %seq_lens, 0.25, 32)
+    %getitem_8    = getitem(%mla_decode_1, 0)                                  (s, 12, 32) S(1)
+    %einsum_3     = aten.einsum('thl,hdl->thd', [%getitem_8, %slice_10])
+
+After (``--dcp 2``)::
+
+    %all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(%cat_3, 2, 'k3_dcp')
+    %wait_tensor  = _c10d_functional.wait_tensor(%all_gather_into_tensor)     (2s, 12, 40) L
+    %view / %permute / %reshape                                                (s, 24, 40) L
+    %dcp_local_lengths = k3.dcp_local_lengths(%seq_lens, %b_context_parallel_position_offset, 2, 1)
+    %mla_decode   = k3.mla_decode(%reshape, %caches_13, %block_table, %dcp_local_lengths, 0.25, 32)
+    %getitem / %getitem_1                          (o, lse): (s, 24, 32), (s, 24)  L
+    %all_gather_into_tensor_1 = ...(%getitem_1, 2, 'k3_dcp'); %wait_tensor_1   (2s, 24) L
+    %dcp_rescale  = k3.dcp_rescale(%getitem, %getitem_1, %wait_tensor_1, 2)    (24, s, 32) L
+    %reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(%dcp_rescale, 'sum', 2, 'k3_dcp')
+    %wait_tensor_2                                                             (12, s, 32) S(0)
+    %permute_1 / %_to_copy                                                     (s, 12, 32) S(1)
+    %einsum_3     = aten.einsum('thl,hdl->thd', [%_to_copy, %slice_10])
+
+(L: RankLocal, a value of this rank alone.) The cache write is not rewritten: its slot
+mapping input now holds this rank's local slot for the tokens it owns and the scratch
+slot for the others, and ``block_table`` this rank's blocks (the layout's contract with
+the runtime, which fills them). ``seq_lens`` stays global. Prefill: each
+``k3.mla_prefill`` (which reads the whole context back from the cache) becomes
+``k3.mla_prefill_new_tokens`` over the latents the step just computed, which every rank
+has in full: context-parallel prefill starts new sequences (the op rejects a sequence
+with earlier tokens; the runtime checks first). KDA state stays split by heads.
+
+The pass runs only when the plan has ``dcp > 1`` and is then required (the runtime lays
+out the caches by position); it must run before ``pad_attention_heads``, which then
+sees the gathered head count (D*h: 24 at TP8/DCP2 is padded to 32; 96 at DCP8 is taken
+as is). A graph that uses the attention's LSE downstream is rejected (the merged LSE
+is not built). Sets ``gm.meta["context_parallel"] = (dcp, interleave)``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from k3compile.context_parallel import DCP_GROUP_NAME, LAYOUT_META_KEY, program_layout
+from k3compile.pipeline import GraphPass, PassContext, PassError, PassResult, Rewrite, Skipped, add_rank_constant
+from k3compile.sharding import ShardOffset
+
+aten, k3, c10d = torch.ops.aten, torch.ops.k3, torch.ops._c10d_functional
+
+#: The per-rank constant: this member's first position in each cycle of positions.
+POSITION_OFFSET = "context_parallel.position_offset"
+
+_DECODE_OPS = (k3.mla_decode.default, k3.mla_decode_split_kv.default)
+
+
+def _stack(node: Node) -> dict:
+    return node.meta.get("nn_module_stack", {})
+
+
+class SplitMLAContext(GraphPass):
+    """Rewrite MLA attention for a KV cache split by position across the DCP group (see
+    the module docstring)."""
+
+    name = "split_mla_context"
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult(changed=False)
+        attention = [n for n in gm.graph.nodes if n.target in (*_DECODE_OPS, k3.mla_prefill.default)]
+        if ctx.plan.dcp == 1:
+            for node in attention:
+                result.skipped.append(Skipped(node.name, "dcp=1: every rank keeps the whole MLA history"))
+            return result
+        if not attention:
+            return result
+        if program_layout(gm) is not None:
+            result.skipped.append(Skipped(attention[0].name, "the program is already in the context-parallel layout"))
+            return result
+        dcp, interleave = ctx.plan.dcp, ctx.plan.dcp_interleave
+        local_lengths: dict[Node, Node] = {}  # per seq_lens input: one k3.dcp_local_lengths for all layers
+        for node in attention:
+            if node.target is k3.mla_prefill.default:
+                result.add_rewrite(self._rewrite_prefill(gm, node))
+                continue
+            seq_lens = node.args[3]
+            if seq_lens not in local_lengths:
+                offset = add_rank_constant(ctx, POSITION_OFFSET, ShardOffset(dcp * interleave, period=dcp))
+                with gm.graph.inserting_before(node):  # the first decode attention of the graph
+                    local_lengths[seq_lens] = gm.graph.call_function(
+                        k3.dcp_local_lengths.default, (seq_lens, offset, dcp, interleave))
+            result.add_rewrite(self._rewrite_decode(gm, node, local_lengths[seq_lens], dcp))
+        gm.meta[LAYOUT_META_KEY] = (dcp, interleave)
+        result.changed = True
+        return result
+
+    def _rewrite_decode(self, gm: GraphModule, node: Node, local_lengths: Node, dcp: int) -> Rewrite:
+        graph = gm.graph
+        q, kv_cache, block_table, _seq_lens, scale, value_dim = node.args
+        q_val = q.meta["val"]
+        _, heads, width = q_val.shape
+        users = {user.args[1]: user for user in node.users}
+        if any(user.target is not operator.getitem for user in node.users):
+            raise PassError(f"{node.name}: a user takes the (o, lse) tuple whole; split_mla_context needs getitems")
+        if 1 in users and users[1].users:
+            raise PassError(f"{node.name}: its LSE is used downstream; split_mla_context does not build the merged LSE")
+
+        def collective(op, *args) -> Node:
+            issued = graph.call_function(op, args)
+            return graph.call_function(c10d.wait_tensor.default, (issued,))
+
+        existing = set(graph.nodes)
+        with graph.inserting_before(node):
+            gathered = collective(c10d.all_gather_into_tensor.default, q, dcp, DCP_GROUP_NAME)
+            # [dcp*B, h, W] stacked by member -> [B, dcp*h, W]: member k's heads at k*h.
+            by_member = graph.call_function(aten.view.default, (gathered, [dcp, -1, heads, width]))
+            q_all = graph.call_function(aten.permute.default, (by_member, [1, 0, 2, 3]))
+            q_all = graph.call_function(aten.reshape.default, (q_all, [-1, dcp * heads, width]))
+            local = graph.call_function(node.target, (q_all, kv_cache, block_table, local_lengths, scale, value_dim))
+            o_part = graph.call_function(operator.getitem, (local, 0))
+            lse_part = graph.call_function(operator.getitem, (local, 1))
+            lse_all = collective(c10d.all_gather_into_tensor.default, lse_part, dcp, DCP_GROUP_NAME)
+            term = graph.call_function(k3.dcp_rescale.default, (o_part, lse_part, lse_all, dcp))
+            mine = collective(c10d.reduce_scatter_tensor.default, term, "sum", dcp, DCP_GROUP_NAME)
+            mine = graph.call_function(aten.permute.default, (mine, [1, 0, 2]))
+            out = graph.call_function(aten._to_copy.default, (mine,), {"dtype": q_val.dtype})
+        for new in graph.nodes:
+            if new not in existing:
+                new.meta["nn_module_stack"] = _stack(node)
+        if 0 in users:
+            users[0].replace_all_uses_with(out)
+        for user in users.values():
+            graph.erase_node(user)
+        graph.erase_node(node)
+
+        cache_val = kv_cache.meta["val"]
+        stats = {
+            "collectives_added": 3,
+            # per token of history per MLA layer: this rank no longer stores (dcp-1)/dcp of it
+            "kv_bytes_per_token_removed": cache_val.shape[-1] * cache_val.dtype.itemsize * (dcp - 1) / dcp,
+        }
+        detail = (
+            f"{_module(node)}: {heads} heads gathered to {dcp * heads} over the DCP group, attention over this "
+            f"rank's 1/{dcp} of the positions, LSE merge by reduce-scatter"
+        )
+        return Rewrite(node.name, detail, stats)
+
+    def _rewrite_prefill(self, gm: GraphModule, node: Node) -> Rewrite:
+        q, kv_cache, kv_b_weight, cu_seqlens, _block_table, seq_lens, scale = node.args
+        writes = [u for u in kv_cache.users if u.target is k3.mla_cache_write.default]
+        if len(writes) != 1:
+            raise PassError(f"{node.name}: expected one k3.mla_cache_write of {kv_cache.name}, found {len(writes)}")
+        kv = writes[0].args[1]
+        with gm.graph.inserting_before(node):
+            fresh = gm.graph.call_function(
+                k3.mla_prefill_new_tokens.default, (q, kv, kv_b_weight, cu_seqlens, seq_lens, scale))
+        fresh.meta["nn_module_stack"] = _stack(node)
+        node.replace_all_uses_with(fresh)
+        gm.graph.erase_node(node)
+        detail = f"{_module(node)}: prefill attends to the step's own latents ({kv.name}), not the split cache"
+        return Rewrite(node.name, detail, {"cache_reads_removed": 1})
+
+
+def _module(node: Node) -> str:
+    stack = _stack(node)
+    return list(stack.values())[-1][0] if stack else "<no module>"
+

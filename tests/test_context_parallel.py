@@ -1,0 +1,242 @@
+"""Decode context parallelism: the position layout, its ops, the ``split_mla_context``
+pass and the runtime's per-rank caches.
+
+Layout: every position has exactly one owner, local positions are dense and in order,
+and the graph's ``k3::dcp_local_lengths`` agrees with the Python layout. Merge: attention
+over disjoint position sets, each rescaled by ``k3::dcp_rescale`` and summed, equals
+attention over their union, also when a member owns nothing. The pass: validated on gloo
+ranks (TP2/DCP2), and the runtime on TP2/DCP2, TP4/DCP2 (interleave 2) and TP4/DCP4 gives
+the DCP1 artifact's logits and 32 identical greedy tokens, for prompts shorter than the
+DCP size too, with 1/DCP of the MLA cache per rank.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import k3compile  # noqa: F401  (registers torch.ops.k3)
+from k3compile import runtime
+from k3compile.batch import CacheShape
+from k3compile.compiler import CompileOptions, optimize
+from k3compile.context_parallel import ContextLayout, dcp_groups, localize_step, mla_cache_indices
+from k3compile.distributed import run_ranks
+from k3compile.ops.mla import mla_decode_reference
+from k3compile.placement import propagate_placements
+from k3compile.sequences import RequestError, SequenceTable
+from k3compile.sharding import ParallelPlan, RankLocal, Replicate, Shard, ShardingError
+from k3compile.validation import random_step_inputs
+
+k3 = torch.ops.k3
+PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 8, 9, 61], [17, 4], [300]]
+NEW_TOKENS = 32
+
+
+@pytest.mark.parametrize("dcp,interleave", [(1, 1), (2, 1), (4, 1), (2, 3), (4, 2)])
+def test_layout_gives_each_position_one_owner_and_dense_local_positions(dcp, interleave):
+    layouts = [ContextLayout(dcp, interleave, r) for r in range(dcp)]
+    for length in range(0, 3 * dcp * interleave + 2):
+        owned = [[p for p in range(length) if lay.owns(p)] for lay in layouts]
+        assert sorted(p for ps in owned for p in ps) == list(range(length))
+        for lay, ps in zip(layouts, owned):
+            assert [lay.local_position(p) for p in ps] == list(range(len(ps)))
+            assert lay.local_length(length) == len(ps)
+        assert max(len(ps) for ps in owned) == layouts[0].max_local_length(length)
+        lens = torch.tensor([length, 1, length + 5], dtype=torch.int32)
+        for lay in layouts:
+            got = k3.dcp_local_lengths(lens, torch.tensor(lay.position_offset), dcp, interleave)
+            assert got.tolist() == [lay.local_length(n) for n in lens.tolist()] and got.dtype == torch.int32
+
+
+def test_plan_and_groups_check_dcp():
+    assert ParallelPlan(8, 5, dcp=2).dcp_rank == 1 and ParallelPlan(8, 5, dcp=8).dcp_rank == 5
+    assert dcp_groups(4, 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ShardingError, match="dcp must be a divisor of tp=4"):
+        ParallelPlan(4, 0, dcp=3)
+    with pytest.raises(ShardingError, match="dcp_interleave must be >= 1"):
+        ParallelPlan(4, 0, dcp=2, dcp_interleave=0)
+
+
+@pytest.mark.parametrize("dcp,interleave", [(2, 1), (4, 2)])
+def test_lse_merge_of_disjoint_positions_equals_full_attention(dcp, interleave):
+    """Each member attends to its own positions of the same cache (as a zero-length
+    context when it owns none); rescaled terms summed over members = full attention."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, W, V, bs = 4, 3, 20, 16, 4
+    lens = torch.tensor([1, 2, 9, 13], dtype=torch.int32)  # 1 and 2: members without a position
+    q = torch.randn(B, H, W, generator=gen)
+    cache = torch.randn(16, bs, W, generator=gen)
+    table = torch.randperm(16, generator=gen)[: B * 4].view(B, 4).int()
+    full_o, full_lse = mla_decode_reference(q, cache, table, lens, 0.3, V)
+    inputs = [torch.zeros(B, dtype=torch.long), torch.arange(B + 1, dtype=torch.int32), lens, torch.arange(B),
+              table, (table[:, 0].long() * bs), torch.arange(B), [cache]]
+    parts = []
+    for r in range(dcp):
+        layout = ContextLayout(dcp, interleave, r)
+        local = localize_step(["mla"], inputs, layout)
+        local_lens = k3.dcp_local_lengths(lens, torch.tensor(layout.position_offset), dcp, interleave)
+        # the step's token is already in the global cache: copy it to the member's cache too
+        local.inputs[-1][0].view(-1, W)[local.local_slots] = cache.view(-1, W)[local.global_slots]
+        parts.append(mla_decode_reference(q, local.inputs[-1][0], local.inputs[4], local_lens, 0.3, V))
+    lse_all = torch.cat([lse for _, lse in parts])  # [dcp*B, H], member order (the all-gather)
+    merged = sum(k3.dcp_rescale(o, lse, lse_all, dcp) for o, lse in parts)  # the reduce-scatter's sum
+    assert any(torch.isinf(lse).any() for _, lse in parts)  # some member owned nothing of a sequence
+    torch.testing.assert_close(merged.permute(1, 0, 2), full_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.logsumexp(lse_all.view(dcp, B, H), 0), full_lse)
+
+
+def test_sequence_table_stores_only_owned_positions():
+    layout = ContextLayout(dcp=2, interleave=2, rank=1)
+    table = SequenceTable(1000, CacheShape(num_slots=4, num_blocks=9, block_size=2), 1, 1, layout)
+    s = table.new_sequence()
+    table.reserve([s], [7])  # positions 0..6: rank 1 owns 2, 3, 6
+    batch = table.make_batch([s], [7], decode=False)
+    blocks = table.sequences[s].blocks
+    assert len(blocks) == 2  # 3 local positions in blocks of 2
+    expected = [0, 0, blocks[0] * 2, blocks[0] * 2 + 1, 0, 0, blocks[1] * 2]  # scratch slot 0 elsewhere
+    assert batch.slot_mapping.tolist() == expected and batch.seq_lens.tolist() == [7]
+    table.advance([s], [7])
+    table.reserve([s], [1])  # position 7 is owned: local position 3, still block 1
+    assert len(table.sequences[s].blocks) == 2
+    assert table.make_batch([s], [1], decode=True).slot_mapping.tolist() == [blocks[1] * 2 + 1]
+    with pytest.raises(ValueError, match="reserve it"):
+        SequenceTable(1000, CacheShape(4, 9, 2), 1, 0, layout)
+
+
+def test_localize_step_moves_owned_history_and_maps_new_tokens():
+    from k3compile.config import get_preset
+
+    cfg = get_preset("tiny")
+    inputs = random_step_inputs(cfg, ParallelPlan(2, 0), "decode", torch.float32, 16, seed=3, num_seqs=4)
+    kinds = cfg.layer_kinds
+    layout = ContextLayout(2, 1, 1)
+    local = localize_step(kinds, inputs, layout)
+    k = mla_cache_indices(kinds)[0]
+    W = inputs[-1][k].shape[-1]
+    lens, lt = inputs[2].tolist(), local.inputs[4]
+    assert local.global_slots.numel() == sum(layout.local_length(n) for n in lens)
+    new_slots = set()
+    for i, n in enumerate(lens):  # the new token of an owner maps to its local slot, else scratch
+        lp = layout.local_position(n - 1)
+        want = int(lt[i, lp // 16]) * 16 + lp % 16 if layout.owns(n - 1) else 0
+        assert local.inputs[5][i].item() == want
+        new_slots |= {want} if layout.owns(n - 1) else set()
+    history = torch.tensor([s not in new_slots for s in local.local_slots.tolist()])
+    assert 0 < history.sum() < history.numel()
+    g = inputs[-1][k].view(-1, W)[local.global_slots]
+    loc = local.inputs[-1][k].view(-1, W)[local.local_slots]
+    assert torch.equal(loc[history], g[history])  # history copied; new tokens are written by the step
+    assert local.inputs[-1][0] is inputs[-1][0]  # KDA state unchanged
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: bool = False):
+    """Float32 artifact; when validating, only the DCP pass runs (validation on gloo ranks
+    after every pass is what makes these tests slow)."""
+    others = ("remove_noops", "dedup_replicated_linear", "sink_copies") if validate else ()
+    options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dtype="float32", validate=validate,
+                             disable=others)
+    return optimize(model_dir, out, options, overwrite=True)
+
+
+def _rank_run(rank: int, world: int, out):
+    """Prefill logits, one decode step's logits, greedy tokens and this rank's MLA cache bytes."""
+    torch.set_num_threads(1)
+    rt = runtime.load(out, rank=rank, world_size=world, options=runtime.RuntimeOptions(max_sequences=3, max_context=64))
+    ids, prefill = rt.prefill(PROMPTS)
+    decode = rt.decode(ids, [11, 12, 13])
+    error = ""
+    if rt.layout.dcp > 1:
+        try:
+            rt.step([ids[0]], [[1, 2]])
+        except RequestError as e:
+            error = str(e)
+    for seq in ids:
+        rt.release(seq)
+    tokens = rt.generate(PROMPTS, NEW_TOKENS)
+    # MLA cache bytes without the scratch block 0
+    kv = sum(c.kv[1:].numel() * c.kv.element_size() for c in rt.caches if hasattr(c, "kv"))
+    return prefill, decode, tokens, kv, error
+
+
+def _check_like_dcp1(base: list, split: list, dcp: int) -> None:
+    for (p1, d1, t1, kv1, _), (p2, d2, t2, kv2, error) in zip(base, split):
+        torch.testing.assert_close(p2, p1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d2, d1, atol=1e-5, rtol=1e-5)
+        assert t2 == t1 and all(len(t) == NEW_TOKENS for t in t2)
+        assert kv2 * dcp == kv1 > 0  # 64 tokens per sequence split evenly: exactly 1/dcp per rank
+        assert "prefill starts new sequences only" in error
+
+
+@pytest.mark.slow
+def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_path):
+    model = model_dirs("tiny")
+    result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True)
+    cfg = result.captured.config
+    n_mla = sum(kind == "mla" for kind in cfg.layer_kinds)
+    records = {r.phase: r for r in result.pipeline.records if r.pass_name == "split_mla_context"}
+    decode, prefill = records["decode"], records["prefill"]
+    assert decode.result.matches == prefill.result.matches == n_mla
+    assert decode.result.stats["collectives_added"] == 3 * n_mla
+    assert decode.report.ok and decode.report.max_error < 1e-5 and prefill.report.max_error == 0.0
+
+    program = result.captured.programs["decode"]
+    gm = program.graph_module
+    propagate_placements(gm, program, result.captured.specs, ParallelPlan(2, 0, dcp=2))
+    attention = [n for n in gm.graph.nodes if n.target is k3.mla_decode.default]
+    gathered = cfg.num_attention_heads // 2 * 2  # this rank's heads and its DCP peer's
+    assert [n.args[0].meta["val"].shape[1] for n in attention] == [gathered] * n_mla
+    assert all(n.meta["placement"] == (RankLocal(), RankLocal()) for n in attention)
+    assert all(n.args[1].meta["placement"] == RankLocal() for n in attention)  # the cache: this rank's positions
+    merged = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+              and n.args[0].target is torch.ops.aten.permute.default]
+    assert len(merged) == n_mla and all(n.meta["placement"] == Shard(1) for n in merged)
+    assert all(n.meta["placement"] == Replicate() for n in gm.graph.nodes if n.name == "seq_lens")
+
+    base = _compile(model, tmp_path / "dcp1", tp=2, dcp=1).out_dir
+    _check_like_dcp1(run_ranks(_rank_run, 2, base), run_ranks(_rank_run, 2, result.out_dir), dcp=2)
+
+
+@pytest.mark.slow
+def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(model_dirs, tmp_path):
+    model = model_dirs("tiny")
+    base = run_ranks(_rank_run, 4, _compile(model, tmp_path / "dcp1", tp=4, dcp=1).out_dir)
+    dcp2 = _compile(model, tmp_path / "dcp2", tp=4, dcp=2, interleave=2).out_dir
+    _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp2), dcp=2)
+    dcp4 = _compile(model, tmp_path / "dcp4", tp=4, dcp=4).out_dir
+    _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp4), dcp=4)
+
+
+def test_pass_is_required_by_dcp_and_skips_at_dcp1(model_dirs, tmp_path):
+    with pytest.raises(ValueError, match="dcp=2 needs pass split_mla_context"):
+        optimize(model_dirs("tiny"), tmp_path / "x", CompileOptions(tp=2, dcp=2, disable=("split_mla_context",)))
+    assert not (tmp_path / "x").exists()
+    result = optimize(model_dirs("tiny"), tmp_path / "y", CompileOptions(tp=1, enable=("split_mla_context",)))
+    (decode, prefill) = [r for r in result.pipeline.records if r.pass_name == "split_mla_context"]
+    assert not decode.result.changed and {s.reason for s in decode.result.skipped} == {
+        "dcp=1: every rank keeps the whole MLA history"}
+
+
+def test_fresh_prefill_op_rejects_earlier_context():
+    q = torch.randn(3, 2, 12)
+    kv = torch.randn(3, 10)
+    w = torch.randn(2 * (4 + 4), 8)
+    with pytest.raises(ValueError, match="sequence 1 has 4 earlier tokens"):
+        k3.mla_prefill_new_tokens(q, kv, w, torch.tensor([0, 2, 3], dtype=torch.int32),
+                                  torch.tensor([2, 5], dtype=torch.int32), 0.5)
+
+
+def test_localize_and_layout_random_roundtrip():
+    """Random lengths: local slots are distinct and every owned position appears once."""
+    rng = random.Random(0)
+    for _ in range(20):
+        dcp, interleave = rng.choice([2, 4]), rng.choice([1, 2, 3])
+        length = rng.randint(1, 40)
+        for r in range(dcp):
+            lay = ContextLayout(dcp, interleave, r)
+            local = [lay.local_position(p) for p in range(length) if lay.owns(p)]
+            assert local == sorted(set(local)) and len(local) == lay.local_length(length)
