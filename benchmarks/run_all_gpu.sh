@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU benchmark in one go (checks first inside each script), results under OUT.
-#   bash benchmarks/run_all_gpu.sh OUT [name ...]     names: moe_tail sink_copies mla_decode kda_decode runtime
+#   bash benchmarks/run_all_gpu.sh OUT [name ...]     names: moe_tail sink_copies mla_decode kda_decode runtime dcp
+# (dcp needs two GPUs; it is not in the default list)
 set -uo pipefail
 OUT=${1:?usage: run_all_gpu.sh OUT [name ...]}
 shift
@@ -16,6 +17,7 @@ for name in $NAMES; do
     mla_decode) cmd="python3 mla_decode.py --out $OUT/mla_decode" ;;
     kda_decode) cmd="python3 kda_decode.py --out $OUT/kda_decode" ;;
     runtime) cmd="python3 runtime_cuda_graphs.py --out $OUT/runtime" ;;
+    dcp) cmd="python3 -m torch.distributed.run --nproc-per-node 2 dcp_attention.py --out $OUT/dcp" ;;
     *) echo "unknown benchmark $name"; exit 2 ;;
   esac
   echo "=== $name: $cmd"

@@ -68,20 +68,27 @@ def mla_prefill(
 ) -> Tensor:
     """q [T, H, Dn+R] (packed new tokens; each sequence's new tokens are the last of its
     ``seq_lens[i]`` context positions, already written to the cache) -> o [T, H, Dv]."""
+    cu = cu_seqlens.tolist()
+    contexts = [gather_context(kv_cache, block_table[i], ctx) for i, ctx in enumerate(seq_lens.tolist())]
+    return _prefill_attention(q, contexts, kv_b_weight, cu, scale)
+
+
+def _prefill_attention(q: Tensor, contexts: list[Tensor], kv_b_weight: Tensor, cu: list[int], scale: float) -> Tensor:
+    """Causal naive-form attention of each sequence's new tokens ``q[cu[i]:cu[i+1]]`` (the
+    last of its context) over its cached context ``contexts[i]`` [ctx, L + R]."""
     T, H, Dqk = q.shape
     L = kv_b_weight.shape[1]
-    R = kv_cache.shape[-1] - L
-    Dn = Dqk - R
+    W = contexts[0].shape[-1] if contexts else L
+    Dn = Dqk - (W - L)
     w = kv_b_weight.float().view(H, -1, L)
     w_uk, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
     out = q.new_zeros(T, H, w_uv.shape[1])
-    cu = cu_seqlens.tolist()
-    for i, ctx in enumerate(seq_lens.tolist()):
+    for i, c in enumerate(contexts):
         start, stop = cu[i], cu[i + 1]
-        n_new = stop - start
+        n_new, ctx = stop - start, c.shape[0]
         if n_new == 0:
             continue
-        c = gather_context(kv_cache, block_table[i], ctx).float()
+        c = c.float()
         latent, k_pe = c[:, :L], c[:, L:]
         k_nope = torch.einsum("cl,hdl->hcd", latent, w_uk)  # [H, ctx, Dn]
         v = torch.einsum("cl,hdl->hcd", latent, w_uv)  # [H, ctx, Dv]
@@ -99,6 +106,35 @@ def _(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale):
     H = q.shape[1]
     L = kv_b_weight.shape[1]
     Dn = q.shape[-1] - (kv_cache.shape[-1] - L)
+    return q.new_empty(q.shape[0], H, kv_b_weight.shape[0] // H - Dn)
+
+
+@torch.library.custom_op("k3::mla_prefill_new_tokens", mutates_args=())
+def mla_prefill_new_tokens(
+    q: Tensor, kv: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """``mla_prefill`` of sequences whose whole context is this step's tokens: attention
+    over their latents ``kv`` [T, L + R] as computed (not read back from the cache).
+    Under context parallelism a rank's cache holds only its own positions, so prefill
+    attends to the fresh latents every rank has; a sequence with earlier context is an
+    error (``seq_lens`` must equal the new-token counts)."""
+    cu = cu_seqlens.tolist()
+    new = [b - a for a, b in zip(cu, cu[1:])]
+    history = [(i, ctx - n) for i, (ctx, n) in enumerate(zip(seq_lens.tolist(), new)) if ctx != n]
+    if history:
+        i, earlier = history[0]
+        raise ValueError(
+            f"k3::mla_prefill_new_tokens: sequence {i} has {earlier} earlier tokens; context-parallel "
+            "prefill starts new sequences only"
+        )
+    return _prefill_attention(q, [kv[a:b] for a, b in zip(cu, cu[1:])], kv_b_weight, cu, scale)
+
+
+@mla_prefill_new_tokens.register_fake
+def _(q, kv, kv_b_weight, cu_seqlens, seq_lens, scale):
+    H = q.shape[1]
+    L = kv_b_weight.shape[1]
+    Dn = q.shape[-1] - (kv.shape[-1] - L)
     return q.new_empty(q.shape[0], H, kv_b_weight.shape[0] // H - Dn)
 
 
@@ -137,6 +173,19 @@ def mla_decode(
 
 
 mla_decode.register_fake(_mla_decode_fake)
+
+
+@mla_decode.register_kernel("cuda")  # ROCm builds of torch report "cuda" too
+def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
+    """What an engine dispatches: the split-KV kernel when it takes the head count (e.g.
+    96 gathered heads under DCP8), else the generic kernel (one program per head), else
+    (a dtype or width no kernel takes) the reference."""
+    from k3compile.runtime.kernels import mla_decode as kernels
+
+    for kernel in (kernels.SPLIT_KV, kernels.GENERIC):
+        if kernel.accepts(q.shape[1], q.dtype, q.shape[2], value_dim):
+            return kernel.launch(q, kv_cache, block_table, seq_lens, scale, value_dim)
+    return mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
 
 #: The split-KV kernel's head tile (``HEAD_TILE`` of runtime/kernels/mla_decode.py, which
 #: imports Triton: not imported here so that ``import k3compile`` stays light; a test
@@ -207,8 +256,9 @@ def _(x: Tensor, heads: int) -> Tensor:
 
 # Placement (k3compile.placement). Heads are split across TP ranks (q, and kv_b_proj by
 # whole heads); the latent cache is replicated (every rank caches the full latent of
-# every token: q_a/kv_a are replicated, there is no DCP split yet), so the cache write is
-# replicated work. Costs count the context as the block table's width x block size (an
+# every token: q_a/kv_a are replicated), so the cache write is replicated work. In the
+# context-parallel layout the cache, block table and slot mapping are each rank's own
+# (``context_split``: RankLocal), see k3compile/context_parallel.py. Costs count the context as the block table's width x block size (an
 # upper bound on each sequence's cached length).
 from k3compile.placement import Cost, CostCall, register_op_rules, replicated, split  # noqa: E402
 
@@ -233,6 +283,17 @@ def _mla_prefill_cost(call: CostCall) -> Cost:
     return Cost(flops, call.io_bytes() + N * ctx * W * call.itemsize("kv_cache"))
 
 
+def _mla_prefill_new_tokens_cost(call: CostCall) -> Cost:
+    """As ``mla_prefill`` with each sequence's context its own new tokens (bounded by T)."""
+    T, H, Dqk = call.shape("q")
+    L = call.size("kv_b_weight", 1)
+    W = call.size("kv", 1)
+    Dn = Dqk - (W - L)
+    Dv = call.size("kv_b_weight", 0) // H - Dn
+    flops = 2 * T * L * H * (Dn + Dv) + T * H * T * (2 * (Dqk + Dv) + 5)
+    return Cost(flops, call.io_bytes())
+
+
 def _mla_decode_cost(call: CostCall) -> Cost:
     """Per sequence and head: W-wide scores and value_dim-wide values over the context,
     and the softmax: ctx*(2*W + 2*value_dim + 5)."""
@@ -242,14 +303,20 @@ def _mla_decode_cost(call: CostCall) -> Cost:
     return Cost(flops, call.io_bytes() + B * ctx * W * call.itemsize("kv_cache"))
 
 
-_MLA_DECODE_RULE = split({"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost)
+_MLA_DECODE_RULE = split(
+    {"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost,
+    context_split=("kv_cache", "block_table"),
+)
 # Per rank block of the heads: a head-sharded input gives a head-sharded output whose
 # logical tensor is the ranks' padded (narrowed) blocks side by side. Pure copies.
 _HEAD_BLOCK_RULE = split({"x": 1}, out=1, what="heads", flops_per_element=0.0)
 
 register_op_rules({
-    mla_cache_write: replicated(caches=("kv_cache",), cost=_mla_cache_write_cost),
+    mla_cache_write: replicated(
+        caches=("kv_cache",), cost=_mla_cache_write_cost, context_split=("kv_cache", "slot_mapping")
+    ),
     mla_prefill: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", caches=("kv_cache",), cost=_mla_prefill_cost),
+    mla_prefill_new_tokens: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", cost=_mla_prefill_new_tokens_cost),
     mla_decode: _MLA_DECODE_RULE,
     mla_decode_split_kv: _MLA_DECODE_RULE,
     pad_heads: _HEAD_BLOCK_RULE,

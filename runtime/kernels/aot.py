@@ -12,9 +12,9 @@ for a named target and reports what the hardware would have to give it:
   (``.vgpr_count`` is the unified arch+acc VGPR count per lane that decides occupancy;
   spills are ``.vgpr_spill_count``, the VGPRs spilled to scratch memory: SGPR spills
   land in spare VGPR lanes and cost no memory traffic); on NVIDIA from ``cuobjdump
-  -res-usage`` of the cubin (``REG`` registers per thread; ``LOCAL`` bytes of
-  thread-local memory, which Triton kernels only use for spills, reported as 32-bit
-  words). ``None`` where the tool is missing: the report never guesses;
+  -res-usage`` of the cubin (``REG`` registers per thread; ``STACK`` + ``LOCAL`` bytes
+  of per-thread stack frame and local memory, which Triton kernels only use for spills
+  (ptxas puts spills in the stack frame), reported as 32-bit words). ``None`` where the tool is missing: the report never guesses;
 - occupancy (see :func:`occupancy`), and ``fits``: the shared memory one program needs
   is within what one workgroup / CTA may allocate, and at least one program fits a
   CU / SM.
@@ -255,10 +255,10 @@ def _cubin_registers(cubin: bytes, name: str) -> tuple[int | None, int | None]:
             out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
         except (OSError, subprocess.CalledProcessError):
             return None, None
-    match = re.search(rf"Function {re.escape(name)}:\s*REG:(\d+).*?LOCAL:(\d+)", out)
+    match = re.search(rf"Function {re.escape(name)}:\s*REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out)
     if match is None:
         return None, None
-    return int(match.group(1)), int(match.group(2)) // 4
+    return int(match.group(1)), (int(match.group(2)) + int(match.group(3))) // 4
 
 
 def _compile_in_subprocess(requests: list[CompileRequest]) -> list[KernelResources]:
