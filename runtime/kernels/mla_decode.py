@@ -10,35 +10,36 @@ in q's dtype and ``lse`` (fp32, natural log), so that attention over disjoint pa
 a context merges exactly (split-KV here, DCP across ranks); an empty context gives
 o = 0, lse = -inf.
 
-One kernel source, ``_mla_attention_kernel``, is specialised three ways. A program
-takes a tile of query *rows* of one sequence, flattened as (new token, head): in the
-absorbed form all heads share K and V, so rows of different heads and tokens go on the
-M side of one matrix-unit tile and every latent row read from HBM feeds all of them.
-Row (t, h) sees context positions up to t's own (the sequence's new tokens are its last
-positions, already in the cache). Decode is the case of one new token per sequence.
+Two kernel sources. In the absorbed form all heads share K and V, so one cache row read
+from HBM feeds every head of its sequence: both put several heads (or (token, head)
+rows) against one KV tile on the matrix units.
 
-``mla_decode_split_kv``  the FAST decode kernel (flash-decoding). Grid (batch, head
-    tiles of 16, KV splits): 16 heads on the matrix units (``tl.dot``), the context cut
-    into ``num_splits`` chunks so that even batch 1 fills every CU/SM. Each program
-    writes a partial (o, lse) in fp32; ``_combine_splits_kernel`` merges the splits with
-    LSE weights. Head counts must be multiples of 16, so that a tile is 16 heads of one
-    sequence: K3 at TP8 has 12 heads per rank, which a compiler pass pads to 16 (or
-    DCP gathers to 96).
+``mla_decode_split_kv``  the FAST decode kernel (flash-decoding),
+    ``_mla_decode_split_kv_kernel``. Grid (head tiles, KV splits, batch): a program takes
+    BLOCK_H heads of one sequence (all of them at 16, 32, 64 heads; 48 and 96 heads take
+    three head-tile programs, adjacent in the grid so that they read the same KV tiles
+    close together in time, the later ones from L2) against one of ``num_splits`` chunks
+    of its context, so that even batch 1 fills every CU/SM. Each program writes a partial (o, lse) in fp32;
+    ``_combine_splits_kernel`` merges the splits with LSE weights. Head counts must be
+    multiples of 16, the smallest head tile: K3 at TP8 has 12 heads per rank, which a
+    compiler pass pads to 16 (DCP gathers 32 or 96). Launch choices (head tile, KV tile,
+    warps, pipeline stages, splits): :func:`split_kv_config`, :func:`choose_num_splits`.
 ``mla_decode_generic``  what engines fall back to for other head counts: one program
-    per (batch, head), no split, vector math (a 1-row tile cannot use the matrix units).
-    Correct for any head count, but every head re-reads the context and a batch-1 step
-    runs only H programs, so its time grows with the context.
+    per (batch, head), vector math (a 1-row tile cannot use the matrix units). Correct
+    for any head count, but every head re-reads the context and a batch-1 step runs only
+    H programs, so its time grows with the context.
 ``mla_prefill_absorbed``  causal prefill for any head count (K3 at TP8: 12): 16-row
     tiles of a sequence's (token, head) rows, so 12 heads fill the matrix units too;
     each tile reads the context only up to its last row's position.
+The last two share ``_mla_attention_kernel`` (DECODE: one new token per sequence).
 
-The KV loop reads BLOCK_N cache rows per step (a gather through the block table, any
+The KV loops read BLOCK_N cache rows per step (a gather through the block table, any
 block size) as a [BLOCK_N, L] latent tile and a [BLOCK_N, R] k_pe tile; the latent
 tile serves both products (scores and values), so each cache byte is read once. Both
 parts are padded to powers of two (and to 16, the smallest dot) under masks, so the
 same source runs K3's 576/512 and the tiny test widths. The online softmax runs in the
 log2 domain in fp32. Tile sizes come from AOT reports (:mod:`.aot`; the tests compile
-every specialisation for gfx950 and gfx942 and require no spills).
+every specialisation for gfx950, gfx942 and sm_90 and require no spills).
 
 No ``@triton.jit`` helper functions: under TRITON_INTERPRET, Triton 3.9 patches
 ``triton.language`` for every helper call and never restores it, which breaks any later
@@ -51,6 +52,8 @@ tables and the head-padding pass derive from ``MLA_DECODE_KERNELS`` /
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,12 +66,15 @@ from triton.runtime.jit import JITFunction
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
 
-#: rows per matrix-unit tile, the M side of the dots: 16 heads (decode) or 16 (token, head) rows
+#: the smallest head tile of the split-KV kernel (its head counts are multiples of it), and
+#: the rows per matrix-unit tile of the prefill kernel: 16 (token, head) rows
 HEAD_TILE = 16
-#: no KV split is made shorter than this many tokens: a split costs 2 * H * L * 4 bytes of
-#: partial results (written, then read by the combine), ~45% of the KV bytes of a
-#: 128-token split at H = 16, L = 512; shorter splits cost more than their parallelism gives
-MIN_SPLIT_TOKENS = 128
+#: what a KV split costs besides its KV tiles, in cache rows (1152 B each at K3's width),
+#: for choose_num_splits: its fp32 partial (16 heads x 512 x 4 B = 32 KiB ~ 28 rows)
+#: written and read back by the combine, the query load, and the latency of the first
+#: tiles before the pipeline streams. An estimate: benchmarks/mla_decode.py --sweep
+#: times the split counts around the choice.
+SPLIT_OVERHEAD_TOKENS = 64
 MAX_SPLITS = 256
 
 
@@ -77,29 +83,115 @@ MAX_SPLITS = 256
 # ---------------------------------------------------------------------------------------
 
 
+# num_splits and the block table's width vary with batch and context; specialising them
+# (multiple of 16 or not) would only compile the same kernel twice.
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])
+def _mla_decode_split_kv_kernel(
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2, num_heads, num_splits,
+    stride_qb, stride_qh, stride_kvb, stride_kvt, stride_btb,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
+    block_size,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Program (head tile, KV split, sequence n): BLOCK_H heads of n against the split's
+    share of n's context.
+
+    The dots put the KV rows on the M side, the heads on N: s^T = K q^T [BLOCK_N, BLOCK_H]
+    and o^T += V^T p^T [L, BLOCK_H]. On sm_90 the value product is then a wgmma with M =
+    L = 512 whatever the head count, reading V^T straight from the shared-memory tile the
+    pipeline loaded (the score product is a wgmma too at 64 KV rows, mma.sync at 32), and
+    the query is a [W, BLOCK_H] operand staged in shared memory once. With the heads on
+    M, 16 heads made both products mma.sync with the [16, 576] query held in every warp's
+    registers (255 registers). On AMD the same source lowers to MFMA tiles, with fewer
+    VGPRs than the heads-on-M form (AOT).
+    FP32_DOT: as in _mla_attention_kernel (interpreter only).
+    o/lse: [B, H, splits, L] / [B, H, splits] fp32 partials, or with one split (stride_os
+    = stride_ls = 0) the final [B, H, L] / [B, H] outputs."""
+    head_tile = tl.program_id(0)
+    split = tl.program_id(1)
+    n = tl.program_id(2)
+    ctx = tl.load(seq_lens_ptr + n)
+    # This split's share of [0, ctx), in whole BLOCK_N tiles so that only the context's
+    # last tile is partial; splits past the end get an empty range (o = 0, lse = -inf).
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = split * per_split
+    kv_end = tl.minimum(kv_start + per_split, ctx)
+
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads  # a head tile wider than the heads left (a sweep's choice)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    dot_ty = tl.float32 if FP32_DOT else kv_ptr.dtype.element_ty
+    q_col = q_ptr + n.to(tl.int64) * stride_qb + heads * stride_qh
+    q_lat = tl.load(q_col[None, :] + offs_l[:, None], mask=head_ok[None, :] & (offs_l[:, None] < L), other=0.0)
+    q_pe = tl.load(q_col[None, :] + L + offs_r[:, None], mask=head_ok[None, :] & (offs_r[:, None] < R), other=0.0)
+    q_lat = q_lat.to(kv_ptr.dtype.element_ty).to(dot_ty)  # [BLOCK_L, BLOCK_H]: q^T
+    q_pe = q_pe.to(kv_ptr.dtype.element_ty).to(dot_ty)
+
+    bt_row = block_table_ptr + n.to(tl.int64) * stride_btb
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
+    # The block ids of a tile are loaded one iteration ahead and carried through the loop.
+    # Loaded in the same iteration, they make the KV load an indirect one, which Triton's
+    # pipeliner gives a stage of its own: num_stages=3 then issued each KV tile only one
+    # iteration ahead, after the previous tile's dots, so nothing overlapped them (TTGIR).
+    # Carried, the KV load is issued two tiles ahead and streams while a tile is computed.
+    pos = kv_start + tl.arange(0, BLOCK_N)
+    block = tl.load(bt_row + pos // block_size, mask=pos < kv_end, other=0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        block_next = tl.load(bt_row + (pos + BLOCK_N) // block_size, mask=pos + BLOCK_N < kv_end, other=0)
+        kv_row = kv_ptr + block.to(tl.int64) * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
+        # Masked rows read as 0: an unwritten cache row may hold NaN, and 0 * NaN = NaN.
+        k_lat = tl.load(kv_row[:, None] + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
+        k_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
+        s = tl.dot(k_lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION)
+        s = tl.dot(k_pe.to(dot_ty), q_pe, acc=s, input_precision=DOT_PRECISION)
+        s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
+        # Every tile has a valid row (n0 < kv_end), so m_new is finite: no -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = tl.dot(tl.trans(k_lat.to(dot_ty)), p.to(k_lat.dtype).to(dot_ty), acc=acc * alpha[None, :],
+                     input_precision=DOT_PRECISION)
+        m_i = m_new
+        block = block_next
+
+    # An empty range leaves l = 0, m = -inf: o = 0 and lse = -inf + log2(0) = -inf.
+    o = tl.where(l_i[None, :] > 0, acc / l_i[None, :], 0.0)
+    o_col = o_ptr + n.to(tl.int64) * stride_ob + heads * stride_oh + split * stride_os
+    tl.store(o_col[None, :] + offs_l[:, None], o, mask=head_ok[None, :] & (offs_l[:, None] < L))
+    lse = (m_i + tl.log2(l_i)) * _LN2
+    tl.store(lse_ptr + n.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=head_ok)
+
+
 @triton.jit
 def _mla_attention_kernel(
     q_ptr, kv_ptr, cu_seqlens_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    scale_log2, num_heads, num_splits,
+    scale_log2, num_heads,
     stride_qt, stride_qh, stride_kvb, stride_kvt, stride_btb,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+    stride_ot, stride_oh, stride_lt, stride_lh,
     block_size,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Program (sequence n, row tile, KV split): BLOCK_M rows (token, head) of n's new
-    tokens against split's share of the positions they see.
+    """Program (sequence n, row tile): BLOCK_M rows (token, head) of n's new tokens
+    against every position they see. Row (t, h) sees context positions up to t's own
+    (the sequence's new tokens are its last positions, already in the cache).
 
     DECODE: one new token per sequence (cu_seqlens unused), rows are heads.
     USE_DOT: matrix units (BLOCK_M >= 16); else BLOCK_M is 1 and the row's products are
     multiply + row sums. FP32_DOT: dots on fp32 copies of the operands (exact for
     bf16/fp16 values; p is still rounded to the cache dtype first, as on the GPU), set
     only under TRITON_INTERPRET, whose tl.dot multiplies bf16 bit patterns (triton#11584).
-    o/lse: [tokens, H, splits, L] / [tokens, H, splits] fp32 partials, or with one split
-    (stride_os = stride_ls = 0) the final [tokens, H, L] / [tokens, H] outputs."""
+    o/lse: the final [tokens, H, L] / [tokens, H] outputs."""
     n = tl.program_id(0)
-    split = tl.program_id(2)
     if DECODE:
         start = n
         n_new = 1
@@ -113,12 +205,7 @@ def _mla_attention_kernel(
     tok = rows // num_heads
     head = rows % num_heads
     row_end = tl.where(row_ok, ctx - n_new + tok + 1, 0)  # exclusive causal limit of each row
-    # This split's share of [0, last row's limit), in whole BLOCK_N tiles so that only the
-    # last tile of the context is partial; a tile with no rows gets an empty range.
-    tile_end = tl.max(row_end, axis=0)
-    per_split = tl.cdiv(tl.cdiv(tile_end, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * per_split
-    kv_end = tl.minimum(kv_start + per_split, tile_end)
+    tile_end = tl.max(row_end, axis=0)  # a tile with no rows gets an empty range
 
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
@@ -133,9 +220,9 @@ def _mla_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
+    for n0 in range(0, tile_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < kv_end
+        valid = pos < tile_end
         block = tl.load(bt_row + pos // block_size, mask=valid, other=0)
         kv_row = kv_ptr + block.to(tl.int64) * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
         k_lat = tl.load(kv_row[:, None] + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
@@ -164,13 +251,13 @@ def _mla_attention_kernel(
     # An empty range leaves l = 0, m = -inf: o = 0 and lse = -inf + log2(0) = -inf.
     o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     out_tok = (start + tok).to(tl.int64)
-    o_row = o_ptr + out_tok * stride_ot + head * stride_oh + split * stride_os
+    o_row = o_ptr + out_tok * stride_ot + head * stride_oh
     tl.store(o_row[:, None] + offs_l[None, :], o, mask=row_ok[:, None] & (offs_l[None, :] < L))
     lse = (m_i + tl.log2(l_i)) * _LN2
-    tl.store(lse_ptr + out_tok * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+    tl.store(lse_ptr + out_tok * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,
     stride_pb, stride_ph, stride_ps, stride_lpb, stride_lph,
@@ -178,25 +265,39 @@ def _combine_splits_kernel(
     num_splits,
     L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Program (b, h): o = sum_s exp(lse_s - lse) o_s, lse = ln sum_s exp(lse_s). Empty
-    splits have lse_s = -inf and weigh 0; all empty gives o = 0, lse = -inf."""
+    """Program (b, h, BLOCK_L of the L value columns): o = sum_s exp(lse_s - lse) o_s,
+    lse = ln sum_s exp(lse_s). Empty splits have lse_s = -inf and weigh 0; all empty
+    gives o = 0, lse = -inf.
+
+    [BLOCK_S splits, BLOCK_L columns] per step: many loads in flight per program and
+    B x H x L / BLOCK_L programs, so that batch 1 with hundreds of splits takes a few
+    latency-bound steps (this kernel used to take one split's row per step: 132 dependent
+    round trips to L2 per program at batch 1, with only B x H = 16 programs)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    chunk = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_l = tl.arange(0, BLOCK_L)
+    offs_l = chunk * BLOCK_L + tl.arange(0, BLOCK_L)
     lse_row = lse_part_ptr + b * stride_lpb + h * stride_lph
-    m = tl.max(tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf")), axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights exp(-inf) = 0, not NaN
-    total = 0.0
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        m = tl.maximum(m, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf")))
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: weights exp(-inf) = 0, not NaN
+    total = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_L], tl.float32)
     part = o_part_ptr + b * stride_pb + h * stride_ph
-    for s in range(num_splits):  # one split's row at a time: splits x L fp32 would not fit registers
-        w = tl.exp(tl.load(lse_row + s) - m)
+    for s0 in range(0, num_splits, BLOCK_S):
+        split = s0 + offs_s
+        w = tl.exp(tl.load(lse_row + split, mask=split < num_splits, other=float("-inf")) - m_max)
         total += w
-        acc += w * tl.load(part + s * stride_ps + offs_l, mask=offs_l < L, other=0.0)
-    o = tl.where(total > 0, acc / total, 0.0)
+        o_s = tl.load(part + split[:, None] * stride_ps + offs_l[None, :],
+                      mask=(split[:, None] < num_splits) & (offs_l[None, :] < L), other=0.0)
+        acc += tl.sum(w[:, None] * o_s, axis=0)
+    total_sum = tl.sum(total, axis=0)
+    o = tl.where(total_sum > 0, acc / total_sum, 0.0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_l, o, mask=offs_l < L)
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh, m + tl.log(total))
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh, m_max + tl.log(total_sum), mask=chunk == 0)
 
 
 #: TRITON_INTERPRET was set when this module was imported: @triton.jit made interpreter wrappers
@@ -258,27 +359,92 @@ class KernelLaunch:
     constexprs: dict[str, object]
     num_warps: int
     num_stages: int = 1
+    #: integer arguments that are multiples of 16 at K3's shapes: Triton's JIT specialises
+    #: them so at launch (it sizes the cache loads' vectors, hence cp.async, from them)
+    divisible_by_16: tuple[str, ...] = ()
 
 
-# 4 warps everywhere: with 8, AMD's 16-row MFMA tiles are replicated across more warps
-# and the split-KV kernel spills VGPRs at 32-row KV tiles (AOT reports).
+# Generic and prefill kernels: 4 warps; with 8, AMD's 16-row MFMA tiles are replicated
+# across more warps (AOT reports).
 _NUM_WARPS = 4
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int:
-    """KV rows per tile, from the AOT reports (tests/test_kernel_mla_decode.py prints them).
+    """KV rows per tile of the prefill (matrix units) and generic kernels, from the AOT
+    reports (tests/test_kernel_mla_decode.py prints them). The split-KV kernel's come from
+    :func:`split_kv_config`.
 
-    Matrix-unit tiles (split-KV decode, prefill): a 16-row MFMA tile does not split
-    across warps, so on AMD every warp holds the whole 16 x 512 query operand and its own
-    K operand. 16 KV rows need 316 (gfx950) / 271 (gfx942) of the 512 VGPRs; 32 rows
-    414 / 489, still unspilled but at the edge, for the same occupancy (1 wave per SIMD);
-    64 rows spill to scratch. Until measured on an MI355X, 16. On sm_90, 32 rows use 255
-    registers and 58 KiB of shared memory without spills (64 rows: 90 KiB, same
-    occupancy). fp32 rows are twice as wide: half as many (at least 16, the smallest
-    dot). Generic kernel: 16, its [16, L] fp32 product lives in registers."""
+    Prefill: a 16-row MFMA tile does not split across warps, so on AMD every warp holds
+    the whole 16 x 512 query operand and its own K operand. 16 KV rows need 236 (gfx950)
+    / 246 (gfx942) of the 512 VGPRs, 2 waves per SIMD; 32 rows 315 / 339, 1 wave. Until
+    measured on an MI355X, 16. On sm_90, 32 rows use 207 registers and 82 KiB of shared
+    memory without spills (64 rows spill). fp32 rows are twice as wide: half as many (at
+    least 16, the smallest dot). Generic kernel: 16, its [16, L] fp32 product lives in
+    registers."""
     rows = 32 if matrix_units and backend == "cuda" else 16
     return max(16, rows // 2) if dtype == torch.float32 else rows
+
+
+#: 64-row KV tiles gave wrong outputs (1 stage) and illegal memory accesses (H=32) on an
+#: H200 in the launch sweep; until that is understood the launcher refuses them on GPUs.
+MAX_SPLIT_KV_BLOCK_N = 32
+
+
+@dataclass(frozen=True)
+class SplitKVConfig:
+    """Launch choices of the split-KV decode kernel (benchmarks/mla_decode.py --sweep
+    times alternatives on a GPU)."""
+
+    block_h: int  # heads per program, the N side of the dots: a power of two >= 16
+    block_n: int  # KV rows per tile, the M side of the score dot: a power of two >= 16
+    num_warps: int
+    num_stages: int  # pipeline depth of the KV loop: 3 issues each tile's loads two tiles ahead
+    programs_per_sm: int  # resident programs per SM / CU at this configuration (AOT occupancy)
+
+
+def split_kv_head_tiles(backend: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """The head tiles :func:`split_kv_config` uses on ``backend``. 64 heads hold a [512,
+    64] fp32 accumulator, which fits sm_90's 8 warps but spills VGPRs on AMD (gfx942 /
+    gfx950, AOT). fp32 inputs (dots without matrix units) take 16: 32 spills on sm_90
+    and gfx942."""
+    if dtype == torch.float32:
+        return (16,)
+    return (16, 32, 64) if backend == "cuda" else (16, 32)
+
+
+def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfloat16) -> SplitKVConfig:
+    """The split-KV kernel's launch for ``num_heads`` (a multiple of 16) on ``backend``.
+
+    Head tile: the widest of :func:`split_kv_head_tiles` that divides ``num_heads``, so
+    no padded head is computed: 16, 32, 64 heads take one program per (sequence, split),
+    48 and 96 three (of 16 / 32), adjacent in the grid, so the KV tile the first reads
+    from HBM the others mostly find in L2.
+
+    sm_90 (AOT reports, bf16, 576/512): 32 KV rows per tile, 3 stages: Triton allocates
+    two [32, 576] buffers (the score dot's mma.sync copies its tile to registers before
+    the next load lands) and issues each tile's cp.async two tiles ahead; 16 heads: 91 KiB
+    of shared memory, 180 registers, 2 programs per SM; 32 heads: 110 KiB, 255 registers,
+    2 per SM; 64 heads, 8 warps (two warpgroups split the [512, 64] accumulator): 148
+    KiB, 1 per SM. 64-row tiles need three 72 KiB buffers for two tiles in flight (wgmma
+    reads its operands in shared memory until it completes): more than 227 KiB; with two
+    buffers the loads are issued only one tile ahead, after the previous tile's dots.
+    AMD: 32-row tiles, no software pipeline (its buffers cost VGPRs on gfx942), 4 warps;
+    16 heads: 237 / 246 VGPRs (gfx942 / gfx950), 2 waves per SIMD; 32 heads: 401 / 468,
+    1 wave. fp32 inputs (twice the bytes per row, dots without matrix units): 16 rows, 8
+    warps, no spills anywhere. Chosen from compiler reports, not yet timed: the
+    benchmark's --sweep times the alternatives on an H200."""
+    tiles = split_kv_head_tiles(backend, dtype)
+    block_h = max((t for t in tiles if num_heads % t == 0), default=HEAD_TILE)
+    if dtype == torch.float32:
+        return SplitKVConfig(block_h, 16, 8, 1, 1)
+    if backend == "hip":
+        return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 else 1)
+    if block_h == 64:
+        return SplitKVConfig(block_h, 32, 8, 3, 1)
+    if block_h == 32:  # the H200 sweep: 16-row tiles 10-13% faster than 32 at every batch/context
+        return SplitKVConfig(block_h, 16, 4, 3, 2)
+    return SplitKVConfig(block_h, 32, 4, 3, 2)
 
 
 def _backend() -> str:
@@ -286,23 +452,37 @@ def _backend() -> str:
     return "hip" if torch.version.hip else "cuda"
 
 
+def _widths(qk_dim: int, value_dim: int) -> dict[str, int]:
+    L, R = value_dim, qk_dim - value_dim
+    return {"L": L, "R": R, "BLOCK_L": max(16, triton.next_power_of_2(L)), "BLOCK_R": max(16, triton.next_power_of_2(R))}
+
+
+def _dot_constexprs(dtype: torch.dtype, interpreted: bool) -> dict[str, object]:
+    # fp32 inputs: exact products (the default tf32 would drop 13 mantissa bits)
+    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else None, "FP32_DOT": interpreted}
+
+
 def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype: torch.dtype, block_n: int,
                           interpreted: bool = _INTERPRETED) -> dict[str, object]:
-    L, R = value_dim, qk_dim - value_dim
     matrix_units = kernel is not GENERIC
     return {
-        "L": L, "R": R,
-        "BLOCK_L": max(16, triton.next_power_of_2(L)), "BLOCK_R": max(16, triton.next_power_of_2(R)),
+        **_widths(qk_dim, value_dim),
         "BLOCK_M": HEAD_TILE if matrix_units else 1, "BLOCK_N": block_n,
         "DECODE": kernel.phase == "decode", "USE_DOT": matrix_units,
-        # fp32 inputs: exact products (the default tf32 would drop 13 mantissa bits)
-        "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
-        "FP32_DOT": interpreted,
+        **_dot_constexprs(dtype, interpreted),
     }
 
 
+def _split_kv_constexprs(config: SplitKVConfig, qk_dim: int, value_dim: int, dtype: torch.dtype,
+                         interpreted: bool = _INTERPRETED) -> dict[str, object]:
+    return {**_widths(qk_dim, value_dim), "BLOCK_H": config.block_h, "BLOCK_N": config.block_n,
+            **_dot_constexprs(dtype, interpreted)}
+
+
 def _combine_constexprs(value_dim: int, num_splits: int) -> dict[str, object]:
-    return {"L": value_dim, "BLOCK_L": triton.next_power_of_2(value_dim), "BLOCK_S": triton.next_power_of_2(num_splits)}
+    # [64 splits, 64 columns] fp32 per step: 32 values per thread of 4 warps
+    return {"L": value_dim, "BLOCK_L": min(64, triton.next_power_of_2(value_dim)),
+            "BLOCK_S": min(64, triton.next_power_of_2(num_splits))}
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
@@ -313,23 +493,41 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> d
     return {a: ty(a) for a in fn.arg_names}
 
 
+#: strides that are multiples of 16 elements at K3's shapes (W = 576, L = 512, H a multiple
+#: of 16, block size 64): query rows, cache blocks and rows, output rows
+_DIVISIBLE_STRIDES = ("stride_qb", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt",
+                      "stride_ob", "stride_ot", "stride_oh", "stride_os", "stride_pb", "stride_ph", "stride_ps")
+
+
 def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
                  num_splits: int = 64) -> list[KernelLaunch]:
     """Every kernel of this module as the launchers specialise it on ``backend`` ("hip" or
-    "cuda"), for AOT checks with aot.compile_for_target."""
+    "cuda"), for AOT checks with aot.compile_for_target: the split-KV kernel once per
+    head tile (``mla_decode_split_kv_h16`` ...)."""
     t = _TRITON_DTYPE[dtype]
+
+    def launch(name: str, fn, ptrs: dict[str, str], c: dict[str, object], num_warps: int = _NUM_WARPS,
+               num_stages: int = 1) -> KernelLaunch:
+        return KernelLaunch(name, fn, _signature(fn, ptrs, c), c, num_warps, num_stages,
+                            tuple(a for a in fn.arg_names if a in _DIVISIBLE_STRIDES))
+
     launches = []
-    for kernel in (*MLA_DECODE_KERNELS, *MLA_PREFILL_KERNELS):
+    for block_h in split_kv_head_tiles(backend, dtype):
+        cfg = split_kv_config(backend, block_h, dtype)
+        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, interpreted=False)
+        ptrs = {"q_ptr": t, "kv_ptr": t, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
+                "o_ptr": "fp32", "lse_ptr": "fp32"}  # fp32 partials
+        launches.append(launch(f"{SPLIT_KV.name}_h{block_h}", _mla_decode_split_kv_kernel, ptrs, c,
+                               cfg.num_warps, cfg.num_stages))
+    for kernel in (GENERIC, PREFILL):
         c = _attention_constexprs(kernel, qk_dim, value_dim, dtype,
                                   default_block_n(kernel is not GENERIC, backend, dtype), interpreted=False)
         ptrs = {"q_ptr": t, "kv_ptr": t, "cu_seqlens_ptr": "i32", "block_table_ptr": "i32", "seq_lens_ptr": "i32",
-                "o_ptr": "fp32" if kernel.splits_kv else t, "lse_ptr": "fp32"}  # split-KV writes fp32 partials
-        launches.append(KernelLaunch(kernel.name, _mla_attention_kernel, _signature(_mla_attention_kernel, ptrs, c),
-                                     c, _NUM_WARPS))
+                "o_ptr": t, "lse_ptr": "fp32"}
+        launches.append(launch(kernel.name, _mla_attention_kernel, ptrs, c))
     c = _combine_constexprs(value_dim, num_splits)
     ptrs = {"o_part_ptr": "fp32", "lse_part_ptr": "fp32", "o_ptr": t, "lse_ptr": "fp32"}
-    launches.append(KernelLaunch("mla_decode_combine_splits", _combine_splits_kernel,
-                                 _signature(_combine_splits_kernel, ptrs, c), c, _NUM_WARPS))
+    launches.append(launch("mla_decode_combine_splits", _combine_splits_kernel, ptrs, c))
     return launches
 
 
@@ -373,19 +571,36 @@ def _compute_units(device: torch.device) -> int:
     return 8  # the CPU interpreter: any small number exercises the split path
 
 
-def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int) -> int:
-    """KV splits for the split-KV kernel: enough for one program per CU/SM
-    (batch x head tiles x splits >= num_sms), none shorter than MIN_SPLIT_TOKENS.
-    ``max_context`` is the block table's capacity, a static bound (CUDA graphs)."""
-    programs = batch * triton.cdiv(num_heads, HEAD_TILE)
-    want = triton.cdiv(num_sms, programs)
-    return max(1, min(want, triton.cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS))
+@functools.lru_cache(maxsize=4096)
+def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int,
+                      config: SplitKVConfig | None = None) -> int:
+    """KV splits for the split-KV kernel, from a cost model of its launch.
+
+    The batch x head tiles x splits programs run in waves of num_sms x
+    ``config.programs_per_sm`` resident programs; a wave lasts as long as one program's
+    KV rows plus SPLIT_OVERHEAD_TOKENS. The cost, waves x (rows per split + overhead),
+    is the least when the splits fill the last wave and are no shorter than needed: one
+    wave of whole programs where possible (batch 16 at 32K on 132 SMs x 2: 16 splits,
+    256 programs; batch 1: 256 splits of 128 rows), more waves only where the split
+    length they save is worth a program's overhead. The least cost with the fewest
+    splits wins (fewer partials). ``max_context`` is the block table's capacity, a
+    static bound (CUDA graphs); ``config`` defaults to :func:`split_kv_config`."""
+    cfg = config or split_kv_config(_backend(), num_heads)
+    programs = batch * triton.cdiv(num_heads, cfg.block_h)
+    slots = num_sms * cfg.programs_per_sm
+    best, best_cost = 1, None
+    for splits in range(1, min(MAX_SPLITS, triton.cdiv(max_context, cfg.block_n)) + 1):
+        rows = triton.cdiv(triton.cdiv(max_context, splits), cfg.block_n) * cfg.block_n  # as the kernel cuts
+        cost = triton.cdiv(programs * splits, slots) * (rows + SPLIT_OVERHEAD_TOKENS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor | None, block_table: Tensor,
-            seq_lens: Tensor, scale: float, value_dim: int, num_splits: int, max_new_tokens: int,
+            seq_lens: Tensor, scale: float, value_dim: int, max_new_tokens: int,
             block_n: int | None) -> tuple[Tensor, Tensor]:
-    """Run ``kernel`` on rows q [tokens, H, W]; decode has one token per sequence."""
+    """Run the generic or prefill kernel on rows q [tokens, H, W]; decode has one token per sequence."""
     _check_inputs(kernel, q, kv_cache, block_table, seq_lens, value_dim)
     q = q if q.stride(-1) == 1 else q.contiguous()
     T, H, W = q.shape
@@ -395,28 +610,15 @@ def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor |
         return o, lse
     block_n = block_n or default_block_n(kernel is not GENERIC, _backend(), q.dtype)
     c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n)
-    if num_splits == 1:  # the programs' results are final: no partials, no combine
-        o_part, lse_part = o, lse
-        o_strides, lse_strides = (*o.stride()[:2], 0), (*lse.stride(), 0)
-    else:
-        o_part = _empty((T, H, num_splits, value_dim), torch.float32, q.device)
-        lse_part = _empty((T, H, num_splits), torch.float32, q.device)
-        o_strides, lse_strides = o_part.stride()[:3], lse_part.stride()
-    grid = (seq_lens.shape[0], triton.cdiv(max_new_tokens * H, c["BLOCK_M"]), num_splits)
+    grid = (seq_lens.shape[0], triton.cdiv(max_new_tokens * H, c["BLOCK_M"]))
     _mla_attention_kernel[grid](
-        q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, o_part, lse_part,
-        scale * LOG2E, H, num_splits,
+        q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, o, lse,
+        scale * LOG2E, H,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        *o_strides, *lse_strides,
+        *o.stride()[:2], *lse.stride(),
         kv_cache.shape[1],
         **c, num_warps=_NUM_WARPS, num_stages=1,
     )
-    if num_splits > 1:
-        _combine_splits_kernel[(T, H)](
-            o_part, lse_part, o, lse,
-            *o_part.stride()[:3], *lse_part.stride()[:2], *o.stride()[:2], *lse.stride(),
-            num_splits, **_combine_constexprs(value_dim, num_splits), num_warps=_NUM_WARPS,
-        )
     return o, lse
 
 
@@ -427,25 +629,65 @@ def _check_decode_batch(name: str, q: Tensor, seq_lens: Tensor) -> None:
 
 def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                         value_dim: int = 512, num_splits: int | None = None, num_sms: int | None = None,
-                        block_n: int | None = None) -> tuple[Tensor, Tensor]:
+                        block_n: int | None = None, config: SplitKVConfig | None = None) -> tuple[Tensor, Tensor]:
     """FAST decode: q [B, H, W] with H a multiple of 16 -> (o [B, H, value_dim] in q.dtype,
-    lse [B, H] fp32). ``num_splits`` defaults to :func:`choose_num_splits` for ``num_sms``
-    (default: the device's CU/SM count); ``block_n`` (KV rows per tile, a power of two
-    >= 16) to :func:`default_block_n`."""
+    lse [B, H] fp32). ``config`` (head tile, KV tile, warps, stages) defaults to
+    :func:`split_kv_config`, ``block_n`` (KV rows per tile, a power of two >= 16)
+    overrides its KV tile; ``num_splits`` defaults to :func:`choose_num_splits` for
+    ``num_sms`` (default: the device's CU/SM count)."""
     _check_decode_batch(SPLIT_KV.name, q, seq_lens)
+    _check_inputs(SPLIT_KV, q, kv_cache, block_table, seq_lens, value_dim)
+    cfg = config or split_kv_config(_backend(), q.shape[1], q.dtype)
+    if block_n is not None:
+        cfg = dataclasses.replace(cfg, block_n=block_n)
+    if cfg.block_n > MAX_SPLIT_KV_BLOCK_N and q.is_cuda:
+        raise ValueError(
+            f"{SPLIT_KV.name}: KV tiles of {cfg.block_n} rows are not supported (at most {MAX_SPLIT_KV_BLOCK_N}): "
+            "64-row tiles gave wrong results and illegal memory accesses on an H200 (issue #6)"
+        )
     if num_splits is None:
         units = num_sms if num_sms is not None else _compute_units(q.device)
-        num_splits = choose_num_splits(q.shape[0], q.shape[1], block_table.shape[-1] * kv_cache.shape[1], units)
+        num_splits = choose_num_splits(q.shape[0], q.shape[1], block_table.shape[-1] * kv_cache.shape[1], units, cfg)
     if not 1 <= num_splits <= 4096:
         raise ValueError(f"{SPLIT_KV.name}: num_splits must be in 1..4096, got {num_splits}")
-    return _launch(SPLIT_KV, q, kv_cache, None, block_table, seq_lens, scale, value_dim, num_splits, 1, block_n)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    B, H, W = q.shape
+    o = _empty((B, H, value_dim), q.dtype, q.device)
+    lse = _empty((B, H), torch.float32, q.device)
+    if B == 0:
+        return o, lse
+    if num_splits == 1:  # the programs' results are final: no partials, no combine
+        o_part, lse_part = o, lse
+        o_strides, lse_strides = (*o.stride()[:2], 0), (*lse.stride(), 0)
+    else:
+        o_part = _empty((B, H, num_splits, value_dim), torch.float32, q.device)
+        lse_part = _empty((B, H, num_splits), torch.float32, q.device)
+        o_strides, lse_strides = o_part.stride()[:3], lse_part.stride()
+    # head tiles fastest: the programs that read the same KV tiles run together (L2)
+    grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
+    _mla_decode_split_kv_kernel[grid](
+        q, kv_cache, block_table, seq_lens, o_part, lse_part,
+        scale * LOG2E, H, num_splits,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        *o_strides, *lse_strides,
+        kv_cache.shape[1],
+        **_split_kv_constexprs(cfg, W, value_dim, q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        c = _combine_constexprs(value_dim, num_splits)
+        _combine_splits_kernel[(B, H, triton.cdiv(value_dim, c["BLOCK_L"]))](
+            o_part, lse_part, o, lse,
+            *o_part.stride()[:3], *lse_part.stride()[:2], *o.stride()[:2], *lse.stride(),
+            num_splits, **c, num_warps=_NUM_WARPS,
+        )
+    return o, lse
 
 
 def mla_decode_generic(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                        value_dim: int = 512, block_n: int | None = None) -> tuple[Tensor, Tensor]:
     """GENERIC decode: any head count, one program per (batch, head), no KV split."""
     _check_decode_batch(GENERIC.name, q, seq_lens)
-    return _launch(GENERIC, q, kv_cache, None, block_table, seq_lens, scale, value_dim, 1, 1, block_n)
+    return _launch(GENERIC, q, kv_cache, None, block_table, seq_lens, scale, value_dim, 1, block_n)
 
 
 def mla_prefill_absorbed(q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor, block_table: Tensor, seq_lens: Tensor,
@@ -461,8 +703,7 @@ def mla_prefill_absorbed(q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor, block_
                          f"{tuple(cu_seqlens.shape)}")
     if max_new_tokens is None:  # a device sync; prefill runs eagerly
         max_new_tokens = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
-    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, 1, max_new_tokens,
-                   block_n)
+    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, max_new_tokens, block_n)
 
 
 SPLIT_KV = MLAKernel("mla_decode_split_kv", "decode", HEAD_TILE, _DTYPES, 576, 512, True, mla_decode_split_kv)
