@@ -10,7 +10,9 @@ the passes emit it (passes/split_mla_context.py, then passes/pad_attention_heads
   the 12 real heads narrowed back.
 - DCP2: all-gather of q over the two ranks ([B, 24, 576]), padded to 32 heads, the
   split-KV kernel over this rank's half of the positions, narrowed to 24; all-gather of
-  the LSEs, ``k3.dcp_rescale``, reduce-scatter back to this rank's 12 heads (NCCL).
+  the LSEs, ``k3.dcp_rescale`` (its Triton kernel), reduce-scatter back to this rank's
+  12 heads (NCCL). The local context lengths are computed once per step in the graph
+  (shared by all MLA layers), so outside the timed attention.
 
 1. Correctness first (ragged contexts, one shorter than the DCP size): the DCP2 output
    of each rank's heads against the fp32 reference over the whole context.
@@ -61,11 +63,12 @@ def dcp1_attention(q, cache, table, lens):
     return padded_attention(q, cache, table, lens, 16)[0]
 
 
-def dcp2_attention(q, cache, table, global_lens, offset):
-    """split_mla_context's rewrite (then pad to 32 heads): this rank's 12 heads [B, 12, 512]."""
+def dcp2_attention(q, cache, table, local_lens):
+    """split_mla_context's rewrite (then pad to 32 heads): this rank's 12 heads [B, 12, 512].
+    ``local_lens`` (k3.dcp_local_lengths) is computed once per step in the graph, shared
+    by every MLA layer, so it is not part of one layer's attention."""
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(q, DCP, DCP_GROUP_NAME))
     q_all = gathered.view(DCP, -1, HEADS, WIDTH).permute(1, 0, 2, 3).reshape(-1, DCP * HEADS, WIDTH)
-    local_lens = k3.dcp_local_lengths(global_lens, offset, DCP, 1)
     o, lse = padded_attention(q_all, cache, table, local_lens, 32)
     lse_all = c10d.wait_tensor(c10d.all_gather_into_tensor(lse, DCP, DCP_GROUP_NAME))
     term = k3.dcp_rescale(o, lse, lse_all, DCP)
@@ -109,7 +112,7 @@ def check(rank: int, offset: torch.Tensor) -> float:
     qgen = torch.Generator(device="cuda").manual_seed(7 + rank)
     q = torch.randn(len(lens), HEADS, WIDTH, generator=qgen, device="cuda").bfloat16()
     glens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = dcp2_attention(q, mine, local_table, glens, offset)
+    out = dcp2_attention(q, mine, local_table, k3.dcp_local_lengths(glens, offset, DCP, 1))
     ref, _ = mla_decode_reference(q.float(), full.float(), table, glens, SCALE, LATENT)
     err = (out.float() - ref.float()).abs().max().item()
     if err > 2e-2:
@@ -145,8 +148,8 @@ def main() -> None:
             t1 = graph_time([lambda c=c: dcp1_attention(q, c, table, glens) for c in full], args.repeats)
             del full
             mine, local_table = caches_for(lens, layout, gen, copies)
-            t2 = graph_time([lambda c=c: dcp2_attention(q, c, local_table, glens, offset) for c in mine],
-                            args.repeats)
+            local_lens = k3.dcp_local_lengths(glens, offset, DCP, 1)
+            t2 = graph_time([lambda c=c: dcp2_attention(q, c, local_table, local_lens) for c in mine], args.repeats)
             del mine
             lse = torch.zeros(batch, DCP * HEADS, device="cuda")
             term = torch.zeros(DCP * HEADS, batch, LATENT, device="cuda")

@@ -49,8 +49,9 @@ class TPGroup:
         """Concatenation of every rank's ``x`` along ``dim`` (Shard(dim) -> Replicate)."""
         if self.size == 1:
             return x
-        # funcol gathers along dim 0 only: stack ranks first, then lay them out along ``dim``.
-        stacked = funcol.all_gather_single(x.contiguous(), 0, self._group())
+        # Gather along dim 0 (one all_gather_into_tensor node: stacks the ranks), then lay
+        # them out along ``dim``. (all_gather_tensor: all_gather_single is not in torch 2.11.)
+        stacked = funcol.all_gather_tensor(x.contiguous(), 0, self._group())
         d = dim % x.dim()
         return stacked.unflatten(0, (self.size, -1)).movedim(0, d).flatten(d, d + 1)
 

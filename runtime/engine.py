@@ -286,6 +286,10 @@ def load(
 
     ``on_progress(done, total)`` is called after each parameter is read."""
     device = _device(options)
+    if device.type == "cuda":
+        # Triton launches on the current device and NCCL binds each rank to it: make it
+        # this rank's GPU (rank 1's tensors on cuda:1 would otherwise meet kernels on cuda:0).
+        torch.cuda.set_device(device)
     info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
     if rank is None:
