@@ -275,3 +275,19 @@ def test_dcp_rescale_kernel_compiles_for_every_gpu_target():
     for target, report in zip(targets, reports):
         assert report.fits and report.occupancy >= 1, (target, report)
         assert report.spills in (0, None), (target, report)
+
+
+def test_pad_heads_runs_after_dcp_on_the_gathered_heads(model_dirs, tmp_path):
+    """tiny-h24 at TP2 (12 heads per rank, as K3 at TP8) for h200 with DCP2: the DCP pass
+    gathers 24 heads, then pad_attention_heads pads those 24 to 32 (not 12 to 16)."""
+    result = optimize(model_dirs("tiny-h24"), tmp_path / "a",
+                      CompileOptions(tp=2, dcp=2, target="h200", dtype="float32"))
+    names = [r.pass_name for r in result.pipeline.records if r.phase == "decode"]
+    assert names.index("split_mla_context") < names.index("pad_attention_heads")
+    pad = next(r for r in result.pipeline.records if r.pass_name == "pad_attention_heads" and r.phase == "decode")
+    n_mla = sum(kind == "mla" for kind in result.captured.config.layer_kinds)
+    assert pad.result.matches == n_mla and all("heads 24 -> 32" in r.detail for r in pad.result.rewrites)
+    graph = result.captured.programs["decode"].graph
+    split_kv = [n for n in graph.nodes if n.target is k3.mla_decode_split_kv.default]
+    assert [n.args[0].meta["val"].shape[1] for n in split_kv] == [32] * n_mla
+    assert all(n.args[3].target is k3.dcp_local_lengths.default for n in split_kv)  # local lengths reach the kernel
