@@ -2,6 +2,7 @@
 fla-core's kernels, all under CUDA graphs, with the bytes floor from measured copy bandwidth.
 
     python benchmarks/kda_decode.py --out /tmp/kda-bench [--batches 1,8,64,256] [--reps 20]
+    python benchmarks/kda_decode.py --out /tmp/kda-sweep --sweep     # launch-plan sweep only
 
 Shapes: K3 per rank at TP8 (12 heads, D = DV = 128, conv kernel 4), bf16 activations, fp32
 state, ``--slots`` state slots (512). Variants, each captured in a torch.cuda.CUDAGraph:
@@ -26,11 +27,20 @@ Before timing, every fused variant and the fla stack are checked against the unf
 the GPU (output, recurrent state, conv states); a fused mismatch aborts the run. fla-core is
 optional: without it (c) and (d) are skipped with a note. Prints markdown tables; writes
 ``results.json`` to ``--out``.
+
+``--sweep`` times the fused kernel alone under a grid of launch plans (``sweep_plans``: value
+tile, value tiles per program, state tiles in flight, warps, evict-first hint on the state)
+plus the launcher's default, each at every batch, the same way (CUDA graphs over all 512
+slots), after checking every plan against the unfused chain in fp32 and bf16 at every batch.
+It prints, per batch, every plan's us and % of copy bandwidth, fastest first, and the
+fastest plan per batch; writes ``sweep.json``. One H200 run of it sets the launcher's
+defaults (``choose_block_v``, ``MAX_TILES_PER_PROGRAM``, ``num_warps_for``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import statistics
@@ -46,6 +56,7 @@ from k3compile.runtime.kernels.kda_decode import (
     choose_block_v,
     kda_decode_chain_reference,
     kda_decode_fused,
+    launch_config,
 )
 
 HEADS, HEAD_DIM, CONV_K = 12, 128, 4
@@ -172,18 +183,23 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def check_fused(batch: int, slots: int, block_v: int | None, act: torch.dtype, device: torch.device) -> dict:
-    """Fused vs the unfused chain on the GPU; raises SystemExit on a mismatch.
+def check_fused(batch: int, slots: int, block_v: int | None, act: torch.dtype, device: torch.device,
+                plan: dict[str, object] | None = None, problem: dict[str, object] | None = None) -> dict:
+    """Fused (``block_v``, or the launch ``plan``: kda_decode_fused's launch keywords) vs the
+    unfused chain on the GPU, on ``problem`` if given (not modified); raises SystemExit on a
+    mismatch.
 
     fp32 activations: every value within 1e-4. bf16: both paths round the conv outputs to bf16,
     and a last-bit difference of the fp32 conv sums (FMA, summation order) can round one of the
     ~4600 values per sequence the other way, moving one state row or column by ~1e-3; so at most
     1% of the state may differ by more than 1e-4 (a real bug moves nearly all of it).
     """
-    problem = make_problem(batch, slots, device, seed=batch, act=act)
+    if problem is None:
+        problem = make_problem(batch, slots, device, seed=batch, act=act)
+    plan = {"block_v": block_v} if plan is None else plan
     slot_ids = torch.randperm(slots, device=device)[:batch]
     fused, ref = with_own_states(problem), with_own_states(problem)
-    y = kda_decode_fused(**fused, slots=slot_ids, block_v=block_v)
+    y = kda_decode_fused(**fused, slots=slot_ids, **plan)
     y_ref = kda_decode_chain_reference(**ref, slots=slot_ids)
     state_off = ((fused["state"] - ref["state"]).abs() > 1e-4 + 1e-4 * ref["state"].abs()).float().mean().item()
     errs = {"out": max_err(y, y_ref), "state": max_err(fused["state"], ref["state"]), "state_off": state_off}
@@ -192,7 +208,7 @@ def check_fused(batch: int, slots: int, block_v: int | None, act: torch.dtype, d
     ok = conv_equal and torch.allclose(y.float(), y_ref.float(), rtol=tol, atol=tol)
     ok = ok and (state_off == 0 if act == torch.float32 else state_off < 0.01)
     if not ok:
-        raise SystemExit(f"fused kernel mismatch at batch {batch}, block_v {block_v}, {act}: {errs}, "
+        raise SystemExit(f"fused kernel mismatch at batch {batch}, {plan}, {act}: {errs}, "
                          f"conv states equal: {conv_equal}")
     return errs
 
@@ -324,12 +340,113 @@ def markdown(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- launch-plan sweep
+
+
+def sweep_plans() -> list[dict[str, object]]:
+    """Launch plans for --sweep (kda_decode_fused keywords; ``{}`` is the launcher's default).
+
+    One tile per program: value tiles 8 to 128 with 1 to 8 warps, 16 to 64 state values per
+    thread. Several tiles per program (q/k work once per program; with all of a head's tiles,
+    no arrival counter): tiles 16 to 64, 2 to 8 per program, 16 or 32 state values per thread
+    and tile, 1 or 2 tiles in flight (3 too at 16 values). And the default plans at the
+    H200's batches (tile 16 and 32) with the evict-first hint on the state."""
+    values = HEAD_DIM // 32  # state values per thread and value column, per warp
+    plans: list[dict[str, object]] = [{}]
+    for bv in (8, 16, 32, 64, 128):
+        for warps in (1, 2, 4, 8):
+            if 16 <= values * bv // warps <= 64:
+                plans.append({"block_v": bv, "tiles_per_program": 1, "num_warps": warps})
+    for bv in (16, 32, 64):
+        for tiles in (2, 4, 8):
+            for warps in (1, 2, 4, 8):
+                per_thread = values * bv // warps
+                if bv * tiles > HEAD_DIM or per_thread not in (16, 32):
+                    continue
+                for stages in (1, 2, 3) if per_thread == 16 and tiles >= 4 else (1, 2):
+                    plans.append({"block_v": bv, "tiles_per_program": tiles, "num_stages": stages,
+                                  "num_warps": warps})
+    for bv in (16, 32):
+        plans.append({"block_v": bv, "tiles_per_program": 1, "evict_state": True})
+    return plans
+
+
+def plan_name(plan: dict[str, object]) -> str:
+    if not plan:
+        return "default"
+    short = {"block_v": "BV", "tiles_per_program": "NT", "num_stages": "NS", "num_warps": "W"}
+    name = " ".join(f"{short[k]}{v}" for k, v in plan.items() if k in short)
+    return name + (" evict-first" if plan.get("evict_state") else "")
+
+
+def run_sweep(batches: list[int], slots: int, reps: int, device: torch.device, units: int,
+              bandwidth: float) -> list[dict[str, object]]:
+    """Check every plan at every batch (fp32 and bf16), then time each (bf16): one row per
+    (batch, plan) with the resolved launch config."""
+    plans = sweep_plans()
+    for b in batches:
+        for act in (torch.float32, torch.bfloat16):
+            problem = make_problem(b, slots, device, seed=b, act=act)
+            for plan in plans:
+                check_fused(b, slots, None, act, device, plan=plan, problem=problem)
+        print(f"batch {b}: {len(plans)} plans match the unfused chain (fp32 and bf16)", flush=True)
+    rows = []
+    for b in batches:
+        floor_bytes = bytes_moved(b, HEADS, HEAD_DIM, HEAD_DIM, CONV_K, 2)
+        times = time_plans(b, slots, reps, device, plans, floor_bytes / bandwidth)
+        for plan, t in zip(plans, times, strict=True):
+            config = launch_config(b, HEADS, HEAD_DIM, HEAD_DIM, units, **plan)
+            rows.append({"batch": b, "plan": plan_name(plan), "config": dataclasses.asdict(config),
+                         "programs": b * HEADS * config.programs_per_head(HEAD_DIM), "time_s": t,
+                         "floor_s": floor_bytes / bandwidth, "fraction_of_copy_bw": floor_bytes / bandwidth / t})
+    return rows
+
+
+def time_plans(batch: int, slots: int, reps: int, device: torch.device, plans: list[dict[str, object]],
+               floor_s: float) -> list[float]:
+    """Per-step seconds of the fused kernel under each launch plan (one shared problem, as
+    time_batch); prints each as it comes, so that a run cut short still reports."""
+    steps = max(1, slots // batch)
+    slot_sets = torch.randperm(slots, device=device)[: steps * batch].view(steps, batch)
+    problem = make_problem(batch, slots, device, seed=batch)
+    times = []
+    for plan in plans:
+        t = graph_time_per_step(lambda i, plan=plan: kda_decode_fused(**problem, slots=slot_sets[i], **plan), steps,
+                                reps)
+        print(f"  batch {batch} {plan_name(plan)}: {us(t)} us, {100 * floor_s / t:.0f}% of copy bw", flush=True)
+        times.append(t)
+    return times
+
+
+def sweep_markdown(rows: list[dict[str, object]]) -> str:
+    """Per batch: every plan, fastest first (default marked); then the fastest plan per batch."""
+    lines, best = [], []
+    for b in dict.fromkeys(r["batch"] for r in rows):
+        batch_rows = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["time_s"])
+        default = next(r for r in batch_rows if r["plan"] == "default")
+        c = default["config"]
+        title = (f"batch {b} (default = BV{c['block_v']} NT{c['tiles_per_program']} NS{c['num_stages']} "
+                 f"W{c['num_warps']}{' evict-first' if c['evict_state'] else ''}: {us(default['time_s'])} us):")
+        lines += [title, "", "| plan | programs | us | % of copy bw | default / plan |", "|---|---|---|---|---|"]
+        for r in batch_rows:
+            lines.append(f"| {r['plan']} | {r['programs']} | {us(r['time_s'])} | "
+                         f"{100 * r['fraction_of_copy_bw']:.0f}% | {default['time_s'] / r['time_s']:.2f}x |")
+        lines.append("")
+        top = batch_rows[0]
+        best.append(f"| {b} | {top['plan']} | {us(top['time_s'])} | {100 * top['fraction_of_copy_bw']:.0f}% | "
+                    f"{us(default['time_s'])} | {100 * default['fraction_of_copy_bw']:.0f}% |")
+    lines += ["fastest plan per batch:", "", "| batch | plan | us | % of copy bw | default us | default % |",
+              "|---|---|---|---|---|---|", *best]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="time a grid of launch plans of the fused kernel only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA (or ROCm) GPU")
@@ -337,6 +454,19 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     units = torch.cuda.get_device_properties(device).multi_processor_count
     torch.manual_seed(0)
+    if args.sweep:
+        bandwidth = copy_bandwidth(1 << 30, 10)
+        rows = run_sweep(batches, args.slots, args.reps, device, units, bandwidth)
+        print(f"\n{torch.cuda.get_device_name(device)}, {units} SMs/CUs; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
+              f"{len(sweep_plans())} launch plans, bf16 activations\n")
+        print(sweep_markdown(rows))
+        result = {"device": torch.cuda.get_device_name(device), "compute_units": units, "torch": torch.__version__,
+                  "triton": triton.__version__, "copy_bandwidth_Bps": bandwidth, "slots": args.slots,
+                  "reps": args.reps, "rows": rows}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sweep.json").write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {args.out / 'sweep.json'}")
+        return
     fla_note = fla_available()
     checks, fla_note = run_checks(batches, args.slots, device, fla_note)
     bandwidth = copy_bandwidth(1 << 30, 10)

@@ -111,6 +111,23 @@ class Case:
     dtype: torch.dtype
     num_slots: int = 8
     conv_kernel: int = 4
+    # the other launch choices (None: the launcher's); the interpreter ignores num_warps, but
+    # the launcher must still pass it through
+    tiles_per_program: int | None = None
+    num_stages: int | None = None
+    num_warps: int | None = None
+    evict_state: bool | None = None
+
+    def launch(self) -> dict[str, object]:
+        return {"block_v": self.block_v, "tiles_per_program": self.tiles_per_program, "num_stages": self.num_stages,
+                "num_warps": self.num_warps, "evict_state": self.evict_state}
+
+    def id(self) -> str:
+        plan = "".join(f"-{short}{value}" for short, value in (
+            ("NT", self.tiles_per_program), ("NS", self.num_stages), ("W", self.num_warps),
+            ("EV", self.evict_state)) if value is not None)
+        return (f"B{self.batch}-H{self.heads}-D{self.head_dim}x{self.head_dim_v}-BV{self.block_v}{plan}-"
+                f"{str(self.dtype).removeprefix('torch.')}")
 
 
 def make_inputs(case: Case, seed: int) -> tuple[dict[str, object], list[dict[str, torch.Tensor]]]:
@@ -159,11 +176,19 @@ CASES = [
     Case(batch=5, heads=3, head_dim=32, head_dim_v=32, block_v=None, dtype=torch.float32),  # 1 tile per head
     Case(batch=5, heads=2, head_dim=16, head_dim_v=32, block_v=8, dtype=torch.bfloat16),  # DV != D
     Case(batch=3, heads=2, head_dim=16, head_dim_v=16, block_v=8, dtype=torch.float16),
+    # several value tiles per program: one program per head (it normalises its own row) ...
+    Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=8, dtype=torch.float32, tiles_per_program=4),
+    Case(batch=2, heads=3, head_dim=16, head_dim_v=16, block_v=4, dtype=torch.bfloat16, tiles_per_program=4,
+         num_stages=3, num_warps=1),
+    # ... or several programs per head of several tiles each (arrival counter), 1 stage
+    Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=4, dtype=torch.float32, tiles_per_program=2,
+         num_stages=1, num_warps=8),
+    Case(batch=4, heads=2, head_dim=32, head_dim_v=32, block_v=8, dtype=torch.bfloat16, tiles_per_program=2,
+         num_stages=2, evict_state=True),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c.batch}-H{c.heads}-D{c.head_dim}x{c.head_dim_v}-"
-                         f"BV{c.block_v}-{str(c.dtype).removeprefix('torch.')}")
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
 def test_fused_matches_unfused_chain(request: pytest.FixtureRequest, case: Case) -> None:
     """Two consecutive steps (the second runs on the first one's states and reused arrival
     counters): output and all four states after each step; rows of unused slots untouched;
@@ -178,7 +203,7 @@ def test_fused_matches_unfused_chain(request: pytest.FixtureRequest, case: Case)
         out = None
         if i == 0:
             out = torch.full((case.batch, case.heads, case.head_dim_v), float("nan"), dtype=case.dtype)
-        y = kda.kda_decode_fused(**step, **fused, out=out, block_v=case.block_v)
+        y = kda.kda_decode_fused(**step, **fused, out=out, **case.launch())
         y_ref = kda.kda_decode_chain_reference(**step, **ref)
         if out is not None:
             assert y is out
@@ -257,6 +282,12 @@ BAD_INPUTS = [
     ("out-fp32", lambda a: a.update(out=torch.empty(2, 2, 16)), "out must be bfloat16"),
     ("block_v-12", lambda a: a.update(block_v=12), "block_v must be a power of two dividing DV=16"),
     ("block_v-32", lambda a: a.update(block_v=32), "block_v must be a power of two dividing DV=16"),
+    ("tiles-3", lambda a: a.update(tiles_per_program=3), "tiles_per_program must be a power of two"),
+    ("tiles-beyond-DV", lambda a: a.update(block_v=8, tiles_per_program=4),
+     "block_v * tiles_per_program <= DV=16, got 4 x 8"),
+    ("num_warps-3", lambda a: a.update(num_warps=3), "num_warps must be a power of two up to 16, got 3"),
+    ("num_stages-0", lambda a: a.update(num_stages=0), "num_stages must be 1 to 3, got 0"),
+    ("num_stages-4", lambda a: a.update(num_stages=4), "num_stages must be 1 to 3, got 4"),
 ]
 
 
@@ -299,7 +330,44 @@ def test_launch_plan_fills_the_gpu(target: str) -> None:
         if bv < kda.MAX_BLOCK_V:  # the next wider tile would have left CUs without a second program
             assert programs // 2 < 2 * units
     assert kda.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
-    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == kda.MAX_BLOCK_V == 32
+    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == kda.MAX_BLOCK_V == 64
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
+def test_default_launch_config(target: str) -> None:
+    """The launcher's defaults at K3 shapes: the value tile above, one tile per program (the
+    H200 sweep found no gain in more), warps for ~32 state values per thread capped at 4
+    (a 64-wide tile on 8 warps was 1.4x slower), no cache hint."""
+    units = aot.TARGETS[target].compute_units
+    for batch in (1, 8, 64, 256):
+        config = kda.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units)
+        bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
+        assert config == kda.LaunchConfig(block_v=bv, tiles_per_program=kda.MAX_TILES_PER_PROGRAM, num_warps=min(4, bv // 8),
+                                          num_stages=1, evict_state=False)
+        assert config.programs_per_head(K3_HEAD_DIM) == K3_HEAD_DIM // bv
+
+
+def test_tiles_per_program_plan() -> None:
+    """More tiles per program only while the batch still gives every CU two programs; the
+    grid shrinks by the same factor; stages never exceed the tiles."""
+    units = 132
+    assert kda.choose_tiles_per_program(256, K3_HEADS, K3_HEAD_DIM, 32, units) == kda.MAX_TILES_PER_PROGRAM
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kda, "MAX_TILES_PER_PROGRAM", 8)
+        assert kda.choose_tiles_per_program(256, K3_HEADS, K3_HEAD_DIM, 32, units) == 4  # 3072 programs
+        assert kda.choose_tiles_per_program(64, K3_HEADS, K3_HEAD_DIM, 32, units) == 4  # 768 >= 264
+        assert kda.choose_tiles_per_program(16, K3_HEADS, K3_HEAD_DIM, 32, units) == 2  # 192 would be < 264
+        assert kda.choose_tiles_per_program(8, K3_HEADS, K3_HEAD_DIM, 32, units) == 1
+        assert kda.choose_tiles_per_program(1, K3_HEADS, K3_HEAD_DIM, 16, units) == 1
+    assert kda.launch_grid(64, K3_HEADS, K3_HEAD_DIM, 32, 4) == (1, K3_HEADS, 64)
+    assert kda.launch_grid(64, K3_HEADS, K3_HEAD_DIM, 16, 2) == (4, K3_HEADS, 64)
+    config = kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=32, tiles_per_program=4,
+                               num_stages=3, num_warps=2, evict_state=True)
+    assert config == kda.LaunchConfig(32, 4, 2, 3, True) and config.programs_per_head(K3_HEAD_DIM) == 1
+    assert kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=32, tiles_per_program=2,
+                             num_stages=3).num_stages == 2
+    assert kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=16,
+                             tiles_per_program=4).num_stages == 2
 
 
 def test_bytes_floor_is_the_state() -> None:
@@ -313,30 +381,45 @@ def test_bytes_floor_is_the_state() -> None:
 
 
 AOT_TARGETS = ("gfx950", "gfx942", "sm_90")
-AOT_BLOCK_VS = (16, 32, 64, 128)  # every tile width the launcher may pick
+# (block_v, tiles_per_program, num_stages, num_warps or None for num_warps_for, evict_state):
+# every tile width the launcher may pick, one tile per program; the evict-first hint; then
+# one-warp and multi-tile plans of the GPU sweep (benchmarks/kda_decode.py --sweep).
+AOT_PLANS = (
+    (16, 1, 1, None, False), (32, 1, 1, None, False), (64, 1, 1, None, False), (128, 1, 1, None, False),
+    (16, 1, 1, None, True), (32, 1, 1, None, True), (8, 1, 1, 1, False), (16, 1, 1, 1, False),
+    (32, 2, 2, None, False), (32, 4, 2, None, False), (32, 4, 3, None, False), (16, 8, 2, 4, False),
+    (16, 8, 3, 4, False), (16, 8, 2, 2, False), (64, 2, 2, 8, False),
+)
+
+
+def _plan_id(plan: tuple) -> str:
+    block_v, tiles, stages, warps, evict = plan
+    return f"BV{block_v}-NT{tiles}-NS{stages}-W{warps or 'auto'}" + ("-evict" if evict else "")
 
 
 @functools.cache
-def _aot_resources() -> dict[tuple[str, int], aot.KernelResources]:
+def _aot_resources() -> dict[tuple[str, tuple], aot.KernelResources]:
     """All AOT compilations of this file in one batch (one subprocess when interpreting)."""
     keys, requests = [], []
     for target in AOT_TARGETS:
-        for block_v in AOT_BLOCK_VS:
+        for plan in AOT_PLANS:
+            block_v, tiles, stages, warps, evict = plan
             signature, constexprs, num_warps = kda.aot_signature(
-                torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=block_v
+                torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=block_v,
+                tiles_per_program=tiles, num_stages=stages, num_warps=warps, evict_state=evict,
             )
-            keys.append((target, block_v))
+            keys.append((target, plan))
             requests.append(aot.CompileRequest(kda.kda_decode_kernel, signature, constexprs, target, num_warps))
     return dict(zip(keys, aot.compile_many(requests), strict=True))
 
 
 @pytest.mark.parametrize("target", AOT_TARGETS)
-@pytest.mark.parametrize("block_v", AOT_BLOCK_VS)
-def test_aot_compiles_and_fits(request: pytest.FixtureRequest, target: str, block_v: int) -> None:
-    """K3 per-rank shapes with bf16 activations: fits, state tile in registers, no spills."""
+@pytest.mark.parametrize("plan", AOT_PLANS, ids=_plan_id)
+def test_aot_compiles_and_fits(request: pytest.FixtureRequest, target: str, plan: tuple) -> None:
+    """K3 per-rank shapes with bf16 activations: fits, state tiles in registers, no spills."""
     if not runs_here(request, "compile"):
         return
-    res = _aot_resources()[(target, block_v)]
+    res = _aot_resources()[(target, plan)]
     assert res.fits, res
-    assert res.shared_bytes <= 16 * 1024, res  # reductions only: the state tile lives in registers
+    assert res.shared_bytes <= 16 * 1024, res  # reductions only: the state tiles live in registers
     assert res.spills in (0, None), res

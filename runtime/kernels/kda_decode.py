@@ -12,43 +12,64 @@ is about 30 small kernels in eager torch and 4-5 in a serving engine (conv, gate
 norm). At decode the recurrent state dominates the bytes and everything else is tiny, so the
 chain is one memory-bound pass over the state, launched once.
 
-Algorithm, per (sequence b, head h, value tile j) program; D is the key width, DV the value
-width, BV the value tile, K the conv kernel size (4):
+Algorithm, per program: one sequence b, one head h, and NT consecutive value tiles of BV
+columns (``tiles_per_program``; 1 unless given); D is the key width, DV the value width, K
+the conv kernel size (4):
 
-1. Short conv + SiLU of this head's D query and D key channels and of the tile's BV value
-   channels, from the conv states (the K-1 previous inputs, oldest first) and this token's
-   projections. Outputs are rounded to the model dtype, as the unfused chain stores them.
+1. Short conv + SiLU of this head's D query and D key channels (and, per value tile, of its
+   BV value channels), from the conv states (the K-1 previous inputs, oldest first) and this
+   token's projections. Outputs are rounded to the model dtype, as the unfused chain stores
+   them.
 2. fp32 L2 norm of q and k (fla's convention: ``x / sqrt(sum x^2 + 1e-6)``), q times ``scale``;
    decay gate ``g = lower_bound * sigmoid(exp(A_log[h]) * (a + dt_bias))`` [D];
    ``beta = sigmoid(beta logits)``.
-3. Delta rule on the [D, BV] slice of the fp32 state ``S[slot, h]`` (layout [D_k, D_v]):
-   ``S <- diag(exp g) S;  u = v - S^T k;  S <- S + beta k u^T;  o = S^T q``. The state slice
-   is read once and written once; o [BV] is rounded to the model dtype (the chain does).
+3. Delta rule on each [D, BV] slice of the fp32 state ``S[slot, h]`` (layout [D_k, D_v]):
+   ``S' = diag(exp g) S;  u = v - S'^T k;  S <- S' + beta k u^T``, and the output
+   ``o = S^T q = S'^T q + beta (k . q) u``: one reduction of the pair (S'^T k, S'^T q) over
+   the key dim instead of two in sequence. Each slice is read once and written once; o [BV]
+   is rounded to the model dtype (the chain does).
 4. ``y = RMSNorm_DV(o) * o_norm * sigmoid(gate)`` over the head's whole DV row.
 
-Grid ``(DV // BV, H, B)``: value tiles fastest, so the tiles of one head run side by side.
-Why value tiles: a sequence's state is H [D, DV] matrices (12 x 64 KiB at K3 per rank), and
-at batch 1 one program per head would leave 120 of the H200's 132 SMs idle while 12 stream
-the state. Every column of the state is independent given q, k, g, beta, so splitting DV
-into BV-wide tiles multiplies the programs by DV / BV (96 at batch 1, BV = 16). The price
-is that each program recomputes the per-head q/k parts (conv of 2 x D channels, norms, gate:
-about 7 KB of reads per program at K3, served from L2 after the first tile) and that two
-things need the whole head:
+Grid ``(DV // (BV * NT), H, B)``: a head's programs fastest, then its sequence's heads, so
+programs running side by side cover one sequence's contiguous state. Why value tiles: a
+sequence's state is H [D, DV] matrices (12 x 64 KiB at K3 per rank), and at batch 1 one
+program per head would leave 120 of the H200's 132 SMs idle while 12 stream the state.
+Every column of the state is independent given q, k, g, beta, so splitting DV over programs
+multiplies them by DV / (BV NT) (96 at batch 1, BV = 16). The price is that each program
+recomputes the per-head q/k parts (conv of 2 x D channels, norms, gate: about 7 KB of reads
+per program at K3, served from L2 after the first) and that two things need the whole head:
 
-- The RMSNorm needs sum(o^2) over all DV. Each program stores its o tile (model dtype) to
+- The RMSNorm needs sum(o^2) over all DV. Each program stores its o tiles (model dtype) to
   the output, then increments a per-(b, h) arrival counter (``atomic_add``, acq_rel). The
   program that arrives last, and only it, reads the whole o row back, normalises and gates it
   in place, and resets the counter to 0 for the next launch (so the counters stay zero
   between launches and CUDA-graph replays need no memset). Cost per (b, h): one int32
-  atomic per tile plus one extra read and write of the DV outputs (~0.5 KB at K3, about 0.4%
-  of the 128 KiB of state traffic). With BV == DV there is one program per head and no
-  counter at all; ``choose_block_v`` picks that once the batch alone fills the machine.
-- The q/k conv states must be updated exactly once, yet every tile reads the old ones. The
-  last-arriving program writes them: when it has seen the counter reach DV/BV - 1, every
-  other tile has already passed its atomic, and its reads of the old conv states precede its
-  atomic (a barrier orders all its threads' accesses before the release), so no program can
-  read a state another program already overwrote. Each tile writes its own v conv channels,
-  which no other program touches.
+  atomic per program plus one extra read and write of the DV outputs (~0.5 KB at K3, about
+  0.4% of the 128 KiB of state traffic). With one program per head there is no counter: it
+  normalises its own row (in registers if that row is one tile, BV == DV).
+- The q/k conv states must be updated exactly once, yet every program reads the old ones.
+  The last-arriving program writes them (re-reading the old ones and this token's q and k,
+  ~2 KB from L2, rather than keeping the conv windows in registers all along): when it has
+  seen the counter reach its programs per head - 1, every other has already passed its
+  atomic, and its reads of the old conv states precede its atomic (a barrier orders all
+  its threads' accesses before the release), so no program can read a state another
+  already overwrote. Each program writes its own v conv channels, which no other touches.
+
+A program with several tiles (NT > 1) convolves and normalises q and k once for all of them
+and streams its tiles in turn, ``num_stages`` of them in flight (each in its own registers:
+the tile loop is unrolled). Whatever the plan, the reads of the first tiles (state slice, v
+input and v conv state) go out together with the q/k conv reads, pinned there by a barrier
+(the compiler would otherwise sink them below the conv math, which waits for the conv reads:
+two round trips in a row instead of one). ``evict_state`` puts an evict-first cache hint on
+the state stream (touched once per step); off by default: on sm_90 its cache policy costs
+registers (value tile 32, 4 warps: 80 instead of 72, 24 instead of 28 resident warps per SM),
+and the data it would protect in L2 (weights, activations) is touched by every program, so
+LRU keeps it anyway.
+
+Launch choices (``launch_config``): ``block_v`` (``choose_block_v``: the widest tile up to
+32 that still gives two programs per CU), ``tiles_per_program`` (``choose_tiles_per_program``,
+capped at ``MAX_TILES_PER_PROGRAM``), ``num_warps`` (``num_warps_for``), ``num_stages`` and
+``evict_state``; ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
 
 Bytes per step (``bytes_moved``), the floor a memory-bound kernel cannot beat:
 fp32 state read + written once, ``2 * B * H * D * DV * 4`` (1.5 MiB per sequence at K3 per
@@ -72,6 +93,7 @@ triton is first imported in the process (triton.language's own jit functions, ``
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -82,21 +104,28 @@ import k3compile.ops  # noqa: F401  (registers torch.ops.k3.* for the reference 
 from k3compile.ops.kda import L2NORM_EPS
 
 __all__ = [
+    "MAX_BLOCK_V",
+    "MAX_TILES_PER_PROGRAM",
     "MIN_BLOCK_V",
+    "LaunchConfig",
     "aot_signature",
     "bytes_moved",
     "choose_block_v",
+    "choose_tiles_per_program",
     "kda_decode_chain_reference",
     "kda_decode_fused",
     "kda_decode_kernel",
+    "launch_config",
     "launch_grid",
     "num_warps_for",
 ]
 
 #: widest value tile (see choose_block_v)
-MAX_BLOCK_V = 32
+MAX_BLOCK_V = 64
 MIN_BLOCK_V = 16
 """Narrowest value tile the launcher picks by itself (a smaller one may be passed)."""
+MAX_TILES_PER_PROGRAM = 1
+"""Most value tiles per program the launcher picks by itself (see choose_tiles_per_program)."""
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -107,21 +136,37 @@ _L2_EPS = tl.constexpr(L2NORM_EPS)
 
 
 @triton.jit
-def _short_conv(x_ptr, weight_ptr, conv_state_ptr, channels, cols, K: tl.constexpr):
-    """Depthwise causal conv + SiLU of ``channels`` for one token.
-
-    Returns (y [C] fp32 rounded to x's dtype, window [C, KP] fp32). The window holds the K
-    inputs the conv sees, oldest first: the K-1 stored ones, then x (columns >= K are 0).
-    """
-    stored = tl.load(
+def _load_conv_state(conv_state_ptr, channels, cols, K: tl.constexpr):
+    """The K-1 stored inputs of ``channels``, oldest first, as [C, KP] (columns >= K-1 are 0)."""
+    return tl.load(
         conv_state_ptr + channels[:, None] * (K - 1) + cols[None, :], mask=cols[None, :] < K - 1, other=0.0
     )
-    x = tl.load(x_ptr + channels)
-    window = tl.where(cols[None, :] == K - 1, x[:, None].to(tl.float32), stored.to(tl.float32))
+
+
+@triton.jit
+def _conv_taps(weight_ptr, conv_state_ptr, channels, cols, K: tl.constexpr):
+    """The conv reads that do not involve this token: (stored [C, KP] conv state, weight [C, KP])."""
+    stored = _load_conv_state(conv_state_ptr, channels, cols, K)
     w = tl.load(weight_ptr + channels[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
+    return stored, w
+
+
+@triton.jit
+def _conv_window(x, stored, cols, K: tl.constexpr):
+    """[C, KP] fp32: the K inputs the conv sees, oldest first (the K-1 stored ones, then x)."""
+    return tl.where(cols[None, :] == K - 1, x[:, None].to(tl.float32), stored.to(tl.float32))
+
+
+@triton.jit
+def _conv_apply(x, stored, w, cols, K: tl.constexpr):
+    """Depthwise causal conv + SiLU of one token x [C] with ``_conv_taps``' reads.
+
+    Returns (y [C] fp32 rounded to x's dtype, window [C, KP] fp32, see ``_conv_window``).
+    """
+    window = _conv_window(x, stored, cols, K)
     acc = tl.sum(window * w.to(tl.float32), axis=1)
     y = acc * tl.sigmoid(acc)
-    return y.to(x_ptr.dtype.element_ty).to(tl.float32), window
+    return y.to(x.dtype).to(tl.float32), window
 
 
 @triton.jit
@@ -135,12 +180,77 @@ def _store_conv_state(conv_state_ptr, channels, cols, window, K: tl.constexpr):
 
 
 @triton.jit
+def _shift_conv_state(x_ptr, conv_state_ptr, channels, cols, K: tl.constexpr):
+    """Write the new conv state of ``channels`` (as ``_store_conv_state``) from memory: the old
+    state, which only the caller writes, and the token's input x. For the program that shifts
+    a head's q/k conv states last, so that their windows need not stay in registers."""
+    window = _conv_window(tl.load(x_ptr + channels), _load_conv_state(conv_state_ptr, channels, cols, K), cols, K)
+    _store_conv_state(conv_state_ptr, channels, cols, window, K)
+
+
+@triton.jit
 def _gated_rms_norm_store(o, cols, gate_ptr, weight_ptr, out_ptr, eps, DV: tl.constexpr):
     """out[cols] = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(gate); o is a whole head row."""
     rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
     y = o * rstd * tl.load(weight_ptr + cols).to(tl.float32)
     y = y * tl.sigmoid(tl.load(gate_ptr + cols).to(tl.float32))
     tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _tile_ptrs(head_state, dk, tile, DV: tl.constexpr, BV: tl.constexpr):
+    """Pointers to value tile ``tile`` ([D, BV], rows DV apart) of one head's [D, DV] state."""
+    return head_state + dk[:, None] * DV + (tile * BV + tl.arange(0, BV))[None, :]
+
+
+@triton.jit
+def _tile_reads(
+    head_state, dk, tile, v_row, v_conv_w_row, v_conv_state_row, cols,
+    DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, STATE_EVICT: tl.constexpr,
+):
+    """Everything value tile ``tile`` reads, issued together: (its [D, BV] fp32 state slice, and
+    its v channels' input, stored conv state and conv weights)."""
+    dv = tile * BV + tl.arange(0, BV)
+    s = tl.load(_tile_ptrs(head_state, dk, tile, DV, BV), eviction_policy=STATE_EVICT)
+    v_stored, v_w = _conv_taps(v_conv_w_row, v_conv_state_row, dv, cols, K)
+    return s, tl.load(v_row + dv), v_stored, v_w
+
+
+@triton.jit
+def _value_tile(
+    reads, s_ptrs, tile, decay, q, k, beta, beta_kq, v_conv_state_row, out_row, cols,
+    BV: tl.constexpr, K: tl.constexpr, STATE_EVICT: tl.constexpr, STORE_O: tl.constexpr,
+):
+    """Delta rule on one [D, BV] state tile from ``_tile_reads`` (the state slice as loaded
+    from ``s_ptrs``): stores the new slice and (if STORE_O) its o columns in the model dtype;
+    returns o (fp32 of the rounded values). Convolves the tile's v channels and shifts their
+    conv state (no other program touches them).
+
+    ``o = S_new^T q = (decay S)^T q + beta (k . q) u``, so the two sums over the key dim,
+    ``(decay S)^T k`` and ``(decay S)^T q``, are one reduction of a pair instead of two in
+    sequence (the second used to wait for the updated state)."""
+    s, v_x, v_stored, v_w = reads
+    dv = tile * BV + tl.arange(0, BV)
+    v, v_window = _conv_apply(v_x, v_stored, v_w, cols, K)
+    _store_conv_state(v_conv_state_row, dv, cols, v_window, K)
+    s = s * decay[:, None]
+    sk, sq = tl.reduce((s * k[:, None], s * q[:, None]), 0, _add2)
+    u = v - sk
+    tl.store(s_ptrs, s + (beta * k)[:, None] * u[None, :], eviction_policy=STATE_EVICT)
+    o = (sq + beta_kq * u).to(out_row.dtype.element_ty)
+    if STORE_O:
+        tl.store(out_row + dv, o)
+    return o.to(tl.float32)
 
 
 @triton.jit
@@ -157,72 +267,113 @@ def kda_decode_kernel(
     counter_ptr,  # [>= B*H] int32, zero between launches
     lower_bound, scale, eps,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    BV: tl.constexpr,
+    BV: tl.constexpr,  # value tile: state columns in registers at a time
+    NT: tl.constexpr,  # value tiles per program, updated in turn
+    NS: tl.constexpr,  # state tiles in flight per program (1 to 3), registers each
+    STATE_EVICT: tl.constexpr,  # cache eviction policy of the state stream: "evict_first" or ""
 ):
-    NV: tl.constexpr = DV // BV
-    i_v = tl.program_id(0)
+    SPLIT: tl.constexpr = DV // (BV * NT)  # programs per head
+    DIRECT: tl.constexpr = SPLIT == 1 and NT == 1  # one program and one tile per head: o stays in registers
+    i_p = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
     slot = tl.load(slots_ptr + i_b).to(tl.int64)
-
-    cols = tl.arange(0, KP)
     dk = tl.arange(0, D)
-    dv = i_v * BV + tl.arange(0, BV)  # this tile's value columns within the head
+    cols = tl.arange(0, KP)
+    head_state = state_ptr + (slot * H + i_h) * (D * DV)
+    first = i_p * NT  # this program's first value tile
     qk_channels = i_h * D + dk
-    v_channels = i_h * DV + dv
     q_conv_state = q_conv_state_ptr + slot * (H * D * (K - 1))
     k_conv_state = k_conv_state_ptr + slot * (H * D * (K - 1))
-    v_conv_state = v_conv_state_ptr + slot * (H * DV * (K - 1))
 
-    # 1. short conv + SiLU (reads the old conv states; q/k states are written at the end).
-    q, q_window = _short_conv(q_ptr + i_b * (H * D), q_conv_w_ptr, q_conv_state, qk_channels, cols, K)
-    k, k_window = _short_conv(k_ptr + i_b * (H * D), k_conv_w_ptr, k_conv_state, qk_channels, cols, K)
-    v, v_window = _short_conv(v_ptr + i_b * (H * DV), v_conv_w_ptr, v_conv_state, v_channels, cols, K)
-    _store_conv_state(v_conv_state, v_channels, cols, v_window, K)  # this tile's channels only
-
-    # 2. L2 norms, decay gate, beta.
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + _L2_EPS) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + _L2_EPS)
-    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + tl.load(dt_bias_ptr + qk_channels)
-    g = lower_bound * tl.sigmoid(tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32)) * a)
-    beta = tl.sigmoid(tl.load(beta_ptr + i_b * H + i_h).to(tl.float32))
-
-    # 3. Delta rule on the [D, BV] state slice.
-    s_ptrs = state_ptr + (slot * H + i_h) * (D * DV) + dk[:, None] * DV + dv[None, :]
-    s = tl.load(s_ptrs) * tl.exp(g)[:, None]
-    u = v - tl.sum(s * k[:, None], axis=0)
-    s = s + (beta * k)[:, None] * u[None, :]
-    tl.store(s_ptrs, s)
-    o = tl.sum(s * q[:, None], axis=0).to(out_ptr.dtype.element_ty)
-
-    # 4. Gated RMSNorm over the whole head row, by the only or the last-arriving tile.
-    row = (i_b * H + i_h) * DV
-    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
-    if NV == 1:
-        _gated_rms_norm_store(o.to(tl.float32), dv, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
+    # 1. Short conv + SiLU of q and k (v: per value tile). The reads of the conv states and
+    #    weights and of the first state tile go out together, before a barrier that keeps the
+    #    compiler from sinking the state read below the conv math (which waits for the conv
+    #    reads): so the state's round trip overlaps theirs. A barrier does not wait for reads
+    #    in flight; the conv math after it starts from this token's q and k, read after it.
+    v_row = v_ptr + i_b * (H * DV) + i_h * DV
+    v_conv_w_row = v_conv_w_ptr + i_h * (DV * K)
+    v_conv_state_row = v_conv_state_ptr + slot * (H * DV * (K - 1)) + i_h * (DV * (K - 1))
+    q_stored, q_w = _conv_taps(q_conv_w_ptr, q_conv_state, qk_channels, cols, K)
+    k_stored, k_w = _conv_taps(k_conv_w_ptr, k_conv_state, qk_channels, cols, K)
+    b0 = _tile_reads(head_state, dk, first, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
+    if NS > 1 and NT > 1:
+        b1 = _tile_reads(head_state, dk, first + 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
+                         STATE_EVICT)
+    if NS > 2 and NT > 2:
+        b2 = _tile_reads(head_state, dk, first + 2, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
+                         STATE_EVICT)
+    tl.debug_barrier()
+    q, q_window = _conv_apply(tl.load(q_ptr + i_b * (H * D) + qk_channels), q_stored, q_w, cols, K)
+    k, k_window = _conv_apply(tl.load(k_ptr + i_b * (H * D) + qk_channels), k_stored, k_w, cols, K)
+    if SPLIT == 1:  # only this program reads this head's q/k conv states
         _store_conv_state(q_conv_state, qk_channels, cols, q_window, K)
         _store_conv_state(k_conv_state, qk_channels, cols, k_window, K)
+
+    # 2. L2 norms (fla's convention: x / sqrt(sum x^2 + eps)), k . q for o, decay, beta.
+    qq, kk, qk = tl.reduce((q * q, k * k, q * k), 0, _add3)
+    q_scale = tl.rsqrt(qq + _L2_EPS) * scale
+    k_scale = tl.rsqrt(kk + _L2_EPS)
+    q = q * q_scale
+    k = k * k_scale
+    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + tl.load(dt_bias_ptr + qk_channels)
+    decay = tl.exp(lower_bound * tl.sigmoid(tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32)) * a))
+    beta = tl.sigmoid(tl.load(beta_ptr + i_b * H + i_h).to(tl.float32))
+    beta_kq = beta * (qk * q_scale * k_scale)
+
+    # 3. Delta rule on this program's NT value tiles, each read once and written once.
+    row = (i_b * H + i_h) * DV
+    for t in tl.static_range(NT):
+        if t > 0 and t + NS - 1 < NT:  # keep NS tiles in flight: read the one NS-1 ahead
+            nxt = _tile_reads(head_state, dk, first + t + NS - 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV,
+                              BV, K, STATE_EVICT)
+            if (t + NS - 1) % NS == 0:
+                b0 = nxt
+            elif (t + NS - 1) % NS == 1:
+                b1 = nxt
+            else:
+                b2 = nxt
+        if t % NS == 0:
+            s = b0
+        elif t % NS == 1:
+            s = b1
+        else:
+            s = b2
+        o = _value_tile(s, _tile_ptrs(head_state, dk, first + t, DV, BV), first + t, decay, q, k, beta, beta_kq,
+                        v_conv_state_row, out_ptr + row, cols, BV, K, STATE_EVICT, not DIRECT)
+
+    # 4. Gated RMSNorm over the whole head row: from registers (one tile per head), by the
+    #    head's only program after its tiles, or by the last of its programs to arrive.
+    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
+    all_v = tl.arange(0, DV)
+    if DIRECT:
+        _gated_rms_norm_store(o, all_v, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
+    elif SPLIT == 1:
+        tl.debug_barrier()  # every thread's o stores precede the reads of the whole row
+        o_row = tl.load(out_ptr + row + all_v).to(tl.float32)
+        _gated_rms_norm_store(o_row, all_v, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
     else:
-        tl.store(out_ptr + row + dv, o)
         tl.debug_barrier()  # all threads' loads and stores precede the release below
         counter = counter_ptr + i_b * H + i_h
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == NV - 1:
+        if arrived == SPLIT - 1:
             tl.debug_barrier()
-            all_v = tl.arange(0, DV)
             o_row = tl.load(out_ptr + row + all_v).to(tl.float32)
             _gated_rms_norm_store(o_row, all_v, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
-            _store_conv_state(q_conv_state, qk_channels, cols, q_window, K)
-            _store_conv_state(k_conv_state, qk_channels, cols, k_window, K)
+            _shift_conv_state(q_ptr + i_b * (H * D), q_conv_state, qk_channels, cols, K)
+            _shift_conv_state(k_ptr + i_b * (H * D), k_conv_state, qk_channels, cols, K)
             tl.store(counter, 0)
 
 
 # --------------------------------------------------------------------------- launch plan
 
 
-def launch_grid(batch: int, heads: int, head_dim_v: int, block_v: int) -> tuple[int, int, int]:
-    """The kernel's grid: (value tiles, heads, batch)."""
-    return (head_dim_v // block_v, heads, batch)
+def launch_grid(
+    batch: int, heads: int, head_dim_v: int, block_v: int, tiles_per_program: int = 1
+) -> tuple[int, int, int]:
+    """The kernel's grid: (programs per head, heads, batch); a program updates
+    ``tiles_per_program`` value tiles of ``block_v`` columns."""
+    return (head_dim_v // (block_v * tiles_per_program), heads, batch)
 
 
 def choose_block_v(batch: int, heads: int, head_dim_v: int, compute_units: int, waves: int = 2) -> int:
@@ -230,10 +381,10 @@ def choose_block_v(batch: int, heads: int, head_dim_v: int, compute_units: int, 
     programs per compute unit.
 
     Narrower tiles keep small batches from leaving CUs idle. Wider ones recompute the
-    per-head q/k work fewer times, but a [D, BV] fp32 state tile beyond 32 columns costs
-    registers and occupancy: on an H200 (benchmarks/kda_decode.py, BV sweep) BV = 32 was
-    the fastest at batch 1, 8, 64 and 256 (64 and 128 were 1.3-1.6x slower at batch 64
-    and 256). Floor ``MIN_BLOCK_V``. H=12, DV=128 on 132 SMs: batch 1 -> 16, 8+ -> 32.
+    per-head q/k work fewer times. On an H200 (benchmarks/kda_decode.py --sweep, this
+    kernel) BV = 64 with 4 warps was the fastest at batch 64 and 256 (36.6 / 124.3 us
+    against 39.3 / 138.2 us at BV = 32; 128 was slower); with 8 warps 64 was 1.4x slower.
+    Floor ``MIN_BLOCK_V``. H=12, DV=128 on 132 SMs: batch 1 -> 16, 8 -> 32, 64+ -> 64.
     """
     bv = min(head_dim_v, MAX_BLOCK_V)
     while bv > MIN_BLOCK_V and batch * heads * (head_dim_v // bv) < waves * compute_units:
@@ -241,9 +392,77 @@ def choose_block_v(batch: int, heads: int, head_dim_v: int, compute_units: int, 
     return bv
 
 
+def choose_tiles_per_program(
+    batch: int, heads: int, head_dim_v: int, block_v: int, compute_units: int, waves: int = 2
+) -> int:
+    """Most value tiles per program, a power of two up to ``MAX_TILES_PER_PROGRAM``, that
+    still leaves ``waves`` programs per compute unit.
+
+    A program that updates several tiles of one head convolves and normalises that head's q
+    and k once instead of once per tile, and with all of a head's tiles it needs no arrival
+    counter; but it streams its tiles one after the other (``num_stages`` of them in
+    flight), so it takes longer and there are fewer programs to hide latency. ``benchmarks/kda_decode.py --sweep`` measures both; until an H200 sweep
+    says otherwise the cap is 1 (one tile per program, as first measured)."""
+    tiles = max(1, min(MAX_TILES_PER_PROGRAM, head_dim_v // block_v))
+    while tiles > 1 and batch * heads * (head_dim_v // (block_v * tiles)) < waves * compute_units:
+        tiles //= 2
+    return tiles
+
+
 def num_warps_for(head_dim: int, block_v: int) -> int:
-    """Warps for a [D, BV] fp32 state tile: about 32 state values per thread, 2 to 8 warps."""
-    return max(2, min(8, head_dim * block_v // (32 * 32)))
+    """Warps for a [D, BV] fp32 state tile: about 32 state values per thread, 2 to 4 warps
+    (the H200 sweep: a [128, 64] tile on 8 warps was 1.4x slower than on 4)."""
+    return max(2, min(4, head_dim * block_v // (32 * 32)))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How ``kda_decode_fused`` launches the kernel (see ``launch_config``)."""
+
+    block_v: int  # value tile: [D, block_v] fp32 state columns in registers at a time
+    tiles_per_program: int  # value tiles one program updates, one after the other
+    num_warps: int
+    num_stages: int  # state tiles a program has in flight (register buffers), 1 to 3
+    evict_state: bool  # evict-first cache hint on the state stream (read and written once)
+
+    def programs_per_head(self, head_dim_v: int) -> int:
+        return head_dim_v // (self.block_v * self.tiles_per_program)
+
+
+def launch_config(
+    batch: int, heads: int, head_dim: int, head_dim_v: int, compute_units: int, *,
+    block_v: int | None = None, tiles_per_program: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, evict_state: bool | None = None,
+) -> LaunchConfig:
+    """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
+    ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, no cache hint). Raises
+    ValueError on a choice the kernel cannot run.
+
+    ``num_stages``: how many of its value tiles a program has in flight, each in its own
+    registers: the first ``num_stages`` are read with the conv inputs, and tile t+num_stages-1
+    is read before tile t is updated (1: no read ahead). It only matters with several tiles
+    per program (with one it is 1). These are the kernel's own stages: the tile loop is
+    unrolled, so Triton's pipeliner (its ``num_stages``, which would stage tiles through
+    shared memory and pick a layout that converts every tile) has no loop to work on."""
+    if block_v is None:
+        block_v = choose_block_v(batch, heads, head_dim_v, compute_units)
+    if not (_is_power_of_two(block_v) and block_v <= head_dim_v):
+        raise ValueError(f"block_v must be a power of two dividing DV={head_dim_v}, got {block_v}")
+    if tiles_per_program is None:
+        tiles_per_program = choose_tiles_per_program(batch, heads, head_dim_v, block_v, compute_units)
+    if not (_is_power_of_two(tiles_per_program) and block_v * tiles_per_program <= head_dim_v):
+        raise ValueError(f"tiles_per_program must be a power of two with block_v * tiles_per_program <= "
+                         f"DV={head_dim_v}, got {tiles_per_program} x {block_v}")
+    if num_warps is None:
+        num_warps = num_warps_for(head_dim, block_v)
+    if not (_is_power_of_two(num_warps) and num_warps <= 16):
+        raise ValueError(f"num_warps must be a power of two up to 16, got {num_warps}")
+    if num_stages is not None and not 1 <= num_stages <= 3:
+        raise ValueError(f"num_stages must be 1 to 3, got {num_stages}")
+    if num_stages is None:
+        num_stages = 2
+    num_stages = min(num_stages, tiles_per_program)
+    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state))
 
 
 def bytes_moved(
@@ -258,9 +477,12 @@ def bytes_moved(
     return state + activations + conv_states + weights
 
 
-def _constexprs(heads: int, head_dim: int, head_dim_v: int, conv_kernel: int, block_v: int) -> dict[str, int]:
+def _constexprs(
+    heads: int, head_dim: int, head_dim_v: int, conv_kernel: int, config: LaunchConfig
+) -> dict[str, int | str]:
     return {"H": heads, "D": head_dim, "DV": head_dim_v, "K": conv_kernel,
-            "KP": triton.next_power_of_2(conv_kernel), "BV": block_v}
+            "KP": triton.next_power_of_2(conv_kernel), "BV": config.block_v, "NT": config.tiles_per_program,
+            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else ""}
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -270,10 +492,14 @@ _FP32_POINTERS = ("q_conv_w_ptr", "k_conv_w_ptr", "v_conv_w_ptr", "a_log_ptr", "
 
 def aot_signature(
     dtype: torch.dtype, heads: int = 12, head_dim: int = 128, head_dim_v: int = 128, block_v: int = 16,
-    conv_kernel: int = 4,
-) -> tuple[dict[str, str], dict[str, int], int]:
+    conv_kernel: int = 4, *, tiles_per_program: int = 1, num_warps: int | None = None, num_stages: int = 2,
+    evict_state: bool = False,
+) -> tuple[dict[str, str], dict[str, int | str], int]:
     """(signature, constexprs, num_warps) of the kernel as ``kda_decode_fused`` launches it with
-    activations and conv states in ``dtype`` (for ``aot.compile_for_target``); K3 per-rank defaults."""
+    activations and conv states in ``dtype`` and these launch choices (``launch_config``; the
+    compiler's own num_stages is 1), for ``aot.compile_for_target``; K3 per-rank defaults."""
+    config = launch_config(1, heads, head_dim, head_dim_v, 1, block_v=block_v, tiles_per_program=tiles_per_program,
+                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state)
     t = _TRITON_DTYPES[dtype]
     pointer = {"slots_ptr": "i64", "counter_ptr": "i32", **{name: "fp32" for name in _FP32_POINTERS}}
     signature = {
@@ -281,8 +507,7 @@ def aot_signature(
         else "constexpr"
         for arg in kda_decode_kernel.arg_names
     }
-    constexprs = _constexprs(heads, head_dim, head_dim_v, conv_kernel, block_v)
-    return signature, constexprs, num_warps_for(head_dim, block_v)
+    return signature, _constexprs(heads, head_dim, head_dim_v, conv_kernel, config), config.num_warps
 
 
 @functools.cache
@@ -364,6 +589,10 @@ def kda_decode_fused(
     *,
     out: Tensor | None = None,
     block_v: int | None = None,
+    tiles_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    evict_state: bool | None = None,
 ) -> Tensor:
     """One KDA decode step for B sequences, one launch; updates conv states and state in place.
 
@@ -373,8 +602,13 @@ def kda_decode_fused(
     dt_bias [H*D] fp32; beta [B, H]: b_proj logits (sigmoid applied here). state
     [S, H, D, DV] fp32, slots [B] int64 (distinct rows of the states). gate [B, H*DV]:
     g_proj output; norm_weight [DV] fp32 (o_norm). Returns [B, H, DV] in the model dtype
-    (written into ``out`` if given). ``block_v``: value tile, a power of two dividing DV;
-    default ``choose_block_v`` for the device.
+    (written into ``out`` if given).
+
+    Launch choices (``launch_config``; each defaults to the heuristic for this batch and
+    device): ``block_v``, the value tile, a power of two dividing DV; ``tiles_per_program``,
+    value tiles one program updates in turn; ``num_warps``; ``num_stages``, value tiles in
+    flight per program (with several tiles per program); ``evict_state``, the evict-first
+    cache hint on the state stream.
     """
     if not isinstance(state, Tensor) or state.dim() != 4:
         raise ValueError(f"state must be a [S, H, D, DV] tensor, got {getattr(state, 'shape', type(state).__name__)}")
@@ -419,10 +653,8 @@ def kda_decode_fused(
         out = torch.empty(B, H, DV, dtype=act, device=device)
     else:
         _expect("out", out, (B, H, DV), (act,), device)
-    if block_v is None:
-        block_v = choose_block_v(B, H, DV, _compute_units(device))
-    if not (_is_power_of_two(block_v) and block_v <= DV):
-        raise ValueError(f"block_v must be a power of two dividing DV={DV}, got {block_v}")
+    config = launch_config(B, H, D, DV, _compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
+                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state)
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):
         raise ValueError(
             "kda_decode_fused on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -432,14 +664,14 @@ def kda_decode_fused(
         return out
 
     counters = _arrival_counters(device, B * H)
-    kda_decode_kernel[launch_grid(B, H, DV, block_v)](
+    kda_decode_kernel[launch_grid(B, H, DV, config.block_v, config.tiles_per_program)](
         q, k, v,
         conv_weight_q, conv_weight_k, conv_weight_v,
         conv_state_q, conv_state_k, conv_state_v,
         a, A_log, dt_bias, beta, state, slots, gate, norm_weight, out, counters,
         float(lower_bound), float(scale), float(eps),
-        **_constexprs(H, D, DV, K, block_v),
-        num_warps=num_warps_for(D, block_v), num_stages=1,
+        **_constexprs(H, D, DV, K, config),
+        num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
     )
     return out
 
@@ -468,9 +700,13 @@ def kda_decode_chain_reference(
     *,
     out: Tensor | None = None,
     block_v: int | None = None,
+    tiles_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    evict_state: bool | None = None,
 ) -> Tensor:
     """The unfused chain with the repo's k3 ops, in the model's order (``kda_decode_fused``'s
-    contract; ``block_v`` is accepted and ignored so the two are interchangeable)."""
+    contract; the launch choices are accepted and ignored so the two are interchangeable)."""
     B = q.shape[0]
     _, H, D, DV = state.shape
     ops = torch.ops.k3
