@@ -10,10 +10,10 @@ k3compile init-model "$W/model" --preset tiny-h24 > /dev/null
 PROMPTS=(--prompt "5 9 100 7 3 44 21 8 8 9 61" --prompt "300" --prompt "17 4")
 for d in 1 2; do
   k3compile optimize "$W/model" -o "$W/dcp$d" --tp 2 --dcp $d --target h200 --dtype float32 --overwrite > "$W/optimize$d.log"
-  python3 -m torch.distributed.run --nproc-per-node 2 -m k3compile run "$W/dcp$d" "${PROMPTS[@]}" \
+  python3 -m torch.distributed.run --nproc-per-node 2 "$(dirname "$0")/run_with_stack_dump.py" run "$W/dcp$d" "${PROMPTS[@]}" \
     --max-new-tokens 32 --max-context 256 > "$W/run$d.log" 2>&1
   grep "new tokens" "$W/run$d.log" > "$W/tokens$d.txt"
-  grep "timing" "$W/run$d.log"
+  grep "timing" "$W/run$d.log" || true
 done
 grep -c "split_mla_context" "$W/optimize2.log" > /dev/null
 if diff "$W/tokens1.txt" "$W/tokens2.txt"; then

@@ -1316,23 +1316,32 @@ def run_command(
 
         result = rt.generate_timed(prompts, max_new_tokens, sampling)
         new, prefill_s, decode_s = result.tokens, result.prefill_s, result.decode_s
+        # CUDA graphs that captured NCCL collectives must go before the process group: on
+        # two H200s destroy_process_group hung with them alive.
+        device, with_graphs = rt.device, rt.graphs is not None
+        rt.close()
     except (UserError, ArtifactError, CheckpointError, ConfigError, RequestError) as e:
         if dist.is_initialized():
             dist.destroy_process_group()
         if rank == 0:
             _fail(str(e))
         raise typer.Exit(USAGE_ERROR)
+    how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
+    if rank == 0:
+        _print_generation(out, info, device, with_graphs, prompts, new, max_new_tokens, how, load_s, prefill_s,
+                          decode_s)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if rank != 0:
-        return
 
+
+def _print_generation(out, info, device, with_graphs: bool, prompts, new, max_new_tokens: int, how: str,
+                      load_s: float, prefill_s: float, decode_s: float) -> None:
+    """What ``k3compile run`` prints (rank 0), before the process group is torn down."""
     cfg = info.config
-    how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
     console.print(
         f"[bold]{escape(str(out))}[/]: {_config_name(cfg)}, tp {info.tp}{f', dcp {info.dcp}' if info.dcp > 1 else ''}, {str(info.dtype).removeprefix('torch.')}, "
-        f"target {escape(info.target)}, on {rt.device}"
-        + (" with CUDA graphs" if rt.graphs is not None else "")
+        f"target {escape(info.target)}, on {device}"
+        + (" with CUDA graphs" if with_graphs else "")
         + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}",
         soft_wrap=True,
     )

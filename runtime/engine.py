@@ -204,6 +204,13 @@ class Runtime:
     def release(self, seq_id: int) -> None:
         self.table.release(seq_id)
 
+    def close(self) -> None:
+        """Drop the CUDA graphs (they hold the collectives they captured) after the device
+        finished: call before destroying the process group."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs = None
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
     ) -> list[list[int]]:
