@@ -137,7 +137,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Union
 
@@ -1242,48 +1242,40 @@ def _tensor_vals(v: Any) -> list[torch.Tensor]:
     return []
 
 
+def _declared_inputs(gm: GraphModule, user_inputs: set[str], field: str) -> Iterator[tuple[Node, OpRule, str, Node]]:
+    """(op node, its rule, arg name, user-input placeholder) for every k3 op arg that the
+    op's rule lists in ``field`` (``caches`` or ``context_split``) and that is passed a
+    user input directly."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        rule = op_rule(node.target) if node.target.namespace != "aten" else None
+        if rule is None or not getattr(rule, field):
+            continue
+        bound = _bind(node)
+        for name in getattr(rule, field):
+            v = bound.get(name)
+            if isinstance(v, Node) and v.op == "placeholder" and v.name in user_inputs:
+                yield node, rule, name, v
+
+
 def _cache_placements(gm: GraphModule, user_inputs: set[str], plan: ParallelPlan) -> dict[str, Placement]:
-    """Placements of user inputs that k3 ops declare as caches (rank-local state)."""
+    """Placements of user inputs that k3 ops declare as caches (rank-local state); in the
+    context-parallel layout, the inputs ops declare as holding this rank's own positions
+    (MLA cache, block table, slot mapping) are RankLocal."""
     out: dict[str, Placement] = {}
     origin: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        rule = op_rule(node.target) if node.target.namespace != "aten" else None
-        if rule is None or not rule.caches:
-            continue
-        bound = _bind(node)
-        for name in rule.caches:
-            v = bound.get(name)
-            if isinstance(v, Node) and v.op == "placeholder" and v.name in user_inputs:
-                pl = rule.cache_placements[name] if plan.tp > 1 else R
-                if v.name in out and out[v.name] != pl:
-                    raise PlacementError(
-                        f"cache input {v.name!r}: {node.name} declares {_fmt(pl)}, {origin[v.name]} "
-                        f"declared {_fmt(out[v.name])}"
-                    )
-                out[v.name] = pl
-                origin[v.name] = node.name
+    for node, rule, name, v in _declared_inputs(gm, user_inputs, "caches"):
+        pl = rule.cache_placements[name] if plan.tp > 1 else R
+        if v.name in out and out[v.name] != pl:
+            raise PlacementError(
+                f"cache input {v.name!r}: {node.name} declares {_fmt(pl)}, {origin[v.name]} "
+                f"declared {_fmt(out[v.name])}"
+            )
+        out[v.name] = pl
+        origin[v.name] = node.name
     if program_layout(gm) is not None:
-        out.update(_context_split_inputs(gm, user_inputs))
-    return out
-
-
-def _context_split_inputs(gm: GraphModule, user_inputs: set[str]) -> dict[str, Placement]:
-    """In the context-parallel layout: user inputs that ops declare as holding this rank's
-    own positions (MLA cache, block table, slot mapping) are RankLocal."""
-    out: dict[str, Placement] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        rule = op_rule(node.target) if node.target.namespace != "aten" else None
-        if rule is None or not rule.context_split:
-            continue
-        bound = _bind(node)
-        for name in rule.context_split:
-            v = bound.get(name)
-            if isinstance(v, Node) and v.op == "placeholder" and v.name in user_inputs:
-                out[v.name] = RankLocal()
+        out.update({v.name: RankLocal() for *_, v in _declared_inputs(gm, user_inputs, "context_split")})
     return out
 
 
