@@ -102,6 +102,7 @@ from torch import Tensor
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3.* for the reference chain)
 from k3compile.ops.kda import L2NORM_EPS
+from k3compile.runtime.kernels.counters import ArrivalCounters
 
 __all__ = [
     "MAX_BLOCK_V",
@@ -516,23 +517,7 @@ def _compute_units(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-# Per device, every counter buffer handed out so far: a grown buffer replaces the last one for
-# new launches, but the old ones stay alive because captured CUDA graphs hold their addresses.
-_counters: dict[torch.device, list[Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> Tensor:
-    """At least n int32 counters on device, zero between launches (the kernel resets those it uses)."""
-    buffers = _counters.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                f"kda_decode_fused needs {n} arrival counters on {device} but only "
-                f"{buffers[-1].numel() if buffers else 0} exist: run it once at this batch size "
-                "before capturing a CUDA graph"
-            )
-        buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
+_counters = ArrivalCounters("kda_decode_fused")
 
 
 # --------------------------------------------------------------------------- checks
@@ -663,7 +648,7 @@ def kda_decode_fused(
     if B == 0:
         return out
 
-    counters = _arrival_counters(device, B * H)
+    counters = _counters.get(device, B * H)
     kda_decode_kernel[launch_grid(B, H, DV, config.block_v, config.tiles_per_program)](
         q, k, v,
         conv_weight_q, conv_weight_k, conv_weight_v,

@@ -74,6 +74,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from k3compile.runtime.kernels.counters import ArrivalCounters
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, width, eps, BLOCK: tl.constexpr):
@@ -341,23 +343,7 @@ def splitk_plan(T: int, N: int, n: int, K: int, cfg: SplitKConfig, dtype: torch.
     return SplitKPlan(grid, splits, cfg.num_warps, constexprs)
 
 
-# Per device, every counter buffer handed out so far: a grown buffer replaces the last one for
-# new launches, but the old ones stay alive because captured CUDA graphs hold their addresses.
-_counters: dict[torch.device, list[Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> Tensor:
-    """At least n int32 counters on device, zero between launches (the kernel resets those it uses)."""
-    buffers = _counters.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                f"add_rank_block_linear needs {n} arrival counters on {device} but only "
-                f"{buffers[-1].numel() if buffers else 0} exist: run it once at this shape "
-                "before capturing a CUDA graph"
-            )
-        buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
+_counters = ArrivalCounters("add_rank_block_linear")
 
 
 def _check_linear_shapes(acc: Tensor, x: Tensor, weight: Tensor) -> None:
@@ -387,7 +373,7 @@ def add_rank_block_linear_splitk(
     plan = splitk_plan(T, N, n, K, config or choose_splitk_config(T), x.dtype)
     if plan.splits > 1:
         ws = torch.empty((plan.splits, T, n), dtype=torch.float32, device=acc.device)
-        counters = _arrival_counters(acc.device, plan.counters)
+        counters = _counters.get(acc.device, plan.counters)
     else:
         ws = counters = out  # not read
     _rows_gemv_add_kernel[plan.grid](
