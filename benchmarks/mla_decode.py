@@ -204,23 +204,33 @@ def bench_shape(heads: int, batch: int, context: int, args, gen: torch.Generator
 # --sweep: the split-KV kernel's launch choices
 # ---------------------------------------------------------------------------------------
 
-#: (KV rows per tile, warps, stages) tried at the default head tile. 32 x 4 x 3 is the
-#: sm_90 default (16, 32 heads; 64 heads: 8 warps); 64-row tiles fit two stages only
-#: (two 72 KiB buffers), which issue each tile's loads one tile ahead; 1 stage: no
-#: software pipeline (the AMD default); 16-row tiles: deeper pipelines in less memory.
-# 64-row KV tiles are refused by the launcher (wrong results / illegal accesses on an H200)
-SWEEP_TILES = [(16, 4, 3), (16, 4, 5), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (32, 8, 4)]
+#: launch variants tried at the default head tile, "rows x warps x stages", "t" for KV tiles
+#: by tensor descriptors (TMA). 32 x 4 x 3 is the sm_90 pointer default (16 heads); 1
+#: stage: no software pipeline (the AMD default); 16-row tiles: deeper pipelines in less
+#: memory; 64-row tiles only by TMA (the pointer kernel's 64-row tiles are refused).
+SWEEP_TILES = "16x4x3,16x4x5,32x4x1,32x4x3,32x4x4,32x8x3,16x4x3t,16x4x5t,32x4x2t,32x4x3t,32x4x4t,32x8x3t,64x4x2t,64x8x2t"
 
 
-def sweep_configs(heads: int) -> list[mk.SplitKVConfig]:
+def parse_tiles(spec: str) -> list[tuple[int, int, int, bool]]:
+    """"32x4x3,64x4x2t" -> [(32, 4, 3, False), (64, 4, 2, True)]."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        tma = item.endswith("t")
+        block_n, warps, stages = map(int, item.rstrip("t").split("x"))
+        out.append((block_n, warps, stages, tma))
+    return out
+
+
+def sweep_configs(heads: int, tiles: str = SWEEP_TILES) -> list[mk.SplitKVConfig]:
     """The default launch first, then the KV tile / warps / stages variants at its head
     tile, then the other head tiles (16 / 32 / 64 that fit the head count, each at its
     own default launch)."""
     default = mk.split_kv_config(BACKEND, heads)
     configs = [default]
-    for block_n, warps, stages in SWEEP_TILES:
+    for block_n, warps, stages, tma in parse_tiles(tiles):
         # a 64-head tile needs 8 warps for its [512, 64] fp32 accumulator
-        c = dataclasses.replace(default, block_n=block_n, num_warps=max(warps, default.num_warps), num_stages=stages)
+        c = dataclasses.replace(default, block_n=block_n, num_warps=max(warps, default.num_warps), num_stages=stages,
+                                tma=tma)
         configs += [c] if c not in configs else []
     for block_h in (16, 32, 64):
         if block_h != default.block_h and block_h <= padded(heads):
@@ -251,7 +261,7 @@ def sweep_splits(config: mk.SplitKVConfig, is_default: bool, batch: int, heads: 
 
 
 def describe(config: mk.SplitKVConfig) -> str:
-    return f"h{config.block_h} n{config.block_n} w{config.num_warps} s{config.num_stages}"
+    return f"h{config.block_h} n{config.block_n} w{config.num_warps} s{config.num_stages}" + (" tma" if config.tma else "")
 
 
 def run_sweep(args, case: RaggedCase, gen: torch.Generator, l2_bytes: int, sms: int, bandwidth: float) -> list[dict]:
@@ -265,7 +275,7 @@ def run_sweep(args, case: RaggedCase, gen: torch.Generator, l2_bytes: int, sms: 
                                                       cache_copies(kv_bytes, l2_bytes))
                 q = torch.randn(batch, heads, WIDTH, generator=gen, device="cuda").bfloat16()
                 max_context = table.shape[1] * args.block_size
-                configs = sweep_configs(heads)
+                configs = sweep_configs(heads, args.sweep_tiles)
                 for i, config in enumerate(configs):
                     key = (heads, config)
                     if key not in checked:  # correctness (and the compile) before any timing
@@ -336,6 +346,7 @@ def main() -> None:
     parser.add_argument("--sweep-heads", default="16,32,96")
     parser.add_argument("--sweep-batches", default="1,16")
     parser.add_argument("--sweep-contexts", default="32768,131072")
+    parser.add_argument("--sweep-tiles", default=SWEEP_TILES, help="KV rows x warps x stages[t = TMA], ...")
     parser.add_argument("--no-table", action="store_true", help="with --sweep: skip the default table")
     args = parser.parse_args()
     args.splits = [int(s) for s in args.splits.split(",") if s]

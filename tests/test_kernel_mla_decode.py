@@ -14,6 +14,8 @@ truncates fp32 -> bf16: 1e-2 absolute + 1e-2 relative.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from k3compile.runtime.kernels import aot  # importing k3compile registers torch.ops.k3
@@ -106,6 +108,53 @@ def test_split_kv_head_tiles(H, block_h):
     config = mk.SplitKVConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1)
     got = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=8, config=config)
     check(got, reference(q, cache, table, seq_lens, scale, 64))
+
+
+def poison_past_contexts(cache: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """NaN in every cache row no context covers (what unwritten cache memory may hold)."""
+    owned = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
+    bs = cache.shape[1]
+    for n, ctx in enumerate(seq_lens.tolist()):
+        pos = torch.arange(ctx)
+        owned[table[n].cpu().long()[pos // bs] * bs + pos % bs] = True
+    poisoned = cache.clone()
+    poisoned.view(-1, cache.shape[-1])[~owned.to(cache.device)] = float("nan")
+    return poisoned
+
+
+@pytest.mark.parametrize("H, block_n, block_size", [(16, 32, 32), (16, 32, 64), (32, 16, 64)])
+def test_split_kv_tensor_descriptor_tiles(H, block_n, block_size):
+    """KV tiles by tensor descriptors (config.tma, the sm_90 default): whole tiles go from
+    the cache to the dots unmasked, the context's last partial tile through the 16-row
+    gather. Contexts ending on, just after and just before a tile / block boundary;
+    NaN in every cache row past the contexts (the descriptor reads the rest of the last
+    block) must not reach the outputs; the pointer gathers give the same answer."""
+    q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 31, 32, 33, 100, 129], block_size, seed=H + block_size)
+    cache = poison_past_contexts(cache, table, seq_lens)
+    want = reference(q, cache.nan_to_num(0.0), table, seq_lens, scale, 64)
+    tma = mk.SplitKVConfig(block_h=H, block_n=block_n, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
+    assert mk._kv_descriptors(cache, 64, block_n) is not None
+    for splits in (1, 3, 7):
+        got = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits, config=tma)
+        check(got, want)
+        pointers = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits,
+                                          config=dataclasses.replace(tma, tma=False))
+        torch.testing.assert_close(got[1], pointers[1], atol=1e-5, rtol=0.0)
+
+
+def test_split_kv_tensor_descriptors_only_where_the_cache_allows():
+    """A tile must lie in one block and blocks must be stored back to back; elsewhere the
+    launcher gathers through pointers (same answer)."""
+    q, cache, table, seq_lens, scale = case(16, 64, 8, [0, 37, 70], block_size=32, seed=4)
+    assert mk._kv_descriptors(cache, 64, 32) is not None
+    assert mk._kv_descriptors(cache, 64, 64) is None  # a 64-row tile spans two blocks
+    wide = torch.zeros(cache.shape[0], 2, *cache.shape[1:], dtype=cache.dtype, device=cache.device)
+    wide[:, 0] = cache
+    strided = wide[:, 0]  # blocks not back to back (every other block-sized slab)
+    assert mk._kv_descriptors(strided, 64, 32) is None
+    tma = mk.SplitKVConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
+    check(mk.mla_decode_split_kv(q, strided, table, seq_lens, scale, 64, num_splits=3, config=tma),
+          reference(q, cache, table, seq_lens, scale, 64))
 
 
 def test_split_kv_combines_more_splits_than_one_step():

@@ -41,9 +41,11 @@ same source runs K3's 576/512 and the tiny test widths. The online softmax runs 
 log2 domain in fp32. Tile sizes come from AOT reports (:mod:`.aot`; the tests compile
 every specialisation for gfx950, gfx942 and sm_90 and require no spills).
 
-No ``@triton.jit`` helper functions: under TRITON_INTERPRET, Triton 3.9 patches
-``triton.language`` for every helper call and never restores it, which breaks any later
-compilation in the process (the AOT checks of the same test session).
+The split-KV kernel's tile math is one ``@triton.jit`` helper, ``_online_softmax_tile``,
+shared by its two ways of loading KV tiles: tensor descriptors (TMA on sm_90: one bulk
+copy per tile, whole tiles only) and masked pointer gathers (any block size; the partial
+last tile of a context). (Under TRITON_INTERPRET helper calls leave ``triton.language``
+patched; :func:`.aot.compile_many` then compiles in a fresh process.)
 
 Each kernel has a declaration (:class:`MLAKernel`) of what it accepts; the target
 tables and the head-padding pass derive from ``MLA_DECODE_KERNELS`` /
@@ -62,6 +64,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
@@ -83,17 +86,40 @@ MAX_SPLITS = 256
 # ---------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, scale_log2,
+                         DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One KV tile of the split-KV kernel: [BLOCK_N, *] latent / k_pe rows in the cache
+    dtype (``valid`` marks those in the context) against the [*, BLOCK_H] query columns
+    (already in the dot dtype); returns the updated running max m_i, sum l_i (log2
+    domain) and [BLOCK_L, BLOCK_H] accumulator. The latent tile is also the value: the
+    dots put the KV rows on the M side."""
+    dot_ty = tl.float32 if FP32_DOT else k_lat.dtype
+    s = tl.dot(k_lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION)
+    s = tl.dot(k_pe.to(dot_ty), q_pe, acc=s, input_precision=DOT_PRECISION)
+    s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
+    # Every tile has a valid row, so m_new is finite: no -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = tl.dot(tl.trans(k_lat.to(dot_ty)), p.to(k_lat.dtype).to(dot_ty), acc=acc * alpha[None, :],
+                 input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # num_splits and the block table's width vary with batch and context; specialising them
 # (multiple of 16 or not) would only compile the same kernel twice.
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _mla_decode_split_kv_kernel(
-    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, kv_ptr, lat_desc, pe_desc, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     scale_log2, num_heads, num_splits,
     stride_qb, stride_qh, stride_kvb, stride_kvt, stride_btb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
     block_size,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, GATHER_N: tl.constexpr,
 ):
     """Program (head tile, KV split, sequence n): BLOCK_H heads of n against the split's
     share of n's context.
@@ -107,6 +133,13 @@ def _mla_decode_split_kv_kernel(
     registers (255 registers). On AMD the same source lowers to MFMA tiles, with fewer
     VGPRs than the heads-on-M form (AOT).
     FP32_DOT: as in _mla_attention_kernel (interpreter only).
+    USE_TMA: KV tiles through tensor descriptors (``lat_desc`` [rows, L] and ``pe_desc``
+    [rows, W] over the cache's rows, see :func:`_kv_descriptors`): one bulk copy per
+    tile instead of a 16-byte cp.async per thread and row, so the copy engine, not the
+    warps, moves the bytes. A tile must lie in one cache block (block_size a multiple
+    of BLOCK_N), and rows past the context are not masked by the copy: the last,
+    partial tile's values are zeroed in registers. Else (``lat_desc`` / ``pe_desc``
+    unused) masked gathers through pointers, any block size.
     o/lse: [B, H, splits, L] / [B, H, splits] fp32 partials, or with one split (stride_os
     = stride_ls = 0) the final [B, H, L] / [B, H] outputs."""
     head_tile = tl.program_id(0)
@@ -134,32 +167,46 @@ def _mla_decode_split_kv_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
-    # The block ids of a tile are loaded one iteration ahead and carried through the loop.
-    # Loaded in the same iteration, they make the KV load an indirect one, which Triton's
-    # pipeliner gives a stage of its own: num_stages=3 then issued each KV tile only one
-    # iteration ahead, after the previous tile's dots, so nothing overlapped them (TTGIR).
-    # Carried, the KV load is issued two tiles ahead and streams while a tile is computed.
-    pos = kv_start + tl.arange(0, BLOCK_N)
+    if USE_TMA:
+        # Whole tiles by tensor descriptors, straight from the copy engine to the dots:
+        # the context's last, partial tile is left to the loop below. (Zeroing its extra
+        # rows inside this loop made Triton stage every tile through registers: 230
+        # instead of 125 registers, one program per SM instead of two; AOT.)
+        # One block id per tile: its rows are consecutive rows of one cache block.
+        tail_start = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
+        block = tl.load(bt_row + kv_start // block_size, mask=kv_start < tail_start, other=0)
+        for n0 in range(kv_start, tail_start, BLOCK_N):
+            block_next = tl.load(bt_row + (n0 + BLOCK_N) // block_size, mask=n0 + BLOCK_N < tail_start, other=0)
+            row0 = block * block_size + n0 % block_size
+            k_lat = lat_desc.load([row0, 0])  # columns past L read as 0 (the descriptor's shape)
+            k_pe = pe_desc.load([row0, L])  # columns past W read as 0
+            m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, tl.full([BLOCK_N], True, tl.int1),
+                                                 m_i, l_i, acc, scale_log2, DOT_PRECISION, FP32_DOT)
+            block = block_next
+    else:
+        tail_start = kv_start
+    # Masked gathers through pointers, GATHER_N rows at a time: every tile without
+    # USE_TMA (GATHER_N = BLOCK_N), else the context's last, partial tile, unpipelined
+    # and in 16-row steps (a whole 32-row tile in registers spilled at 32 heads; a
+    # descriptor load of it zeroed in registers spilled more; AOT). The block ids of a
+    # tile are loaded one iteration ahead and carried through the loop. Loaded in the
+    # same iteration, they make the KV load an indirect one, which Triton's pipeliner
+    # gives a stage of its own: num_stages=3 then issued each KV tile only one
+    # iteration ahead, after the previous tile's dots, so nothing overlapped them
+    # (TTGIR). Carried, the KV load is issued two tiles ahead and streams while a tile
+    # is computed.
+    pos = tail_start + tl.arange(0, GATHER_N)
     block = tl.load(bt_row + pos // block_size, mask=pos < kv_end, other=0)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+    for n0 in tl.range(tail_start, kv_end, GATHER_N, num_stages=1 if USE_TMA else None):
+        pos = n0 + tl.arange(0, GATHER_N)
         valid = pos < kv_end
-        block_next = tl.load(bt_row + (pos + BLOCK_N) // block_size, mask=pos + BLOCK_N < kv_end, other=0)
+        block_next = tl.load(bt_row + (pos + GATHER_N) // block_size, mask=pos + GATHER_N < kv_end, other=0)
         kv_row = kv_ptr + block.to(tl.int64) * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt
         # Masked rows read as 0: an unwritten cache row may hold NaN, and 0 * NaN = NaN.
         k_lat = tl.load(kv_row[:, None] + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
         k_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
-        s = tl.dot(k_lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION)
-        s = tl.dot(k_pe.to(dot_ty), q_pe, acc=s, input_precision=DOT_PRECISION)
-        s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
-        # Every tile has a valid row (n0 < kv_end), so m_new is finite: no -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = tl.dot(tl.trans(k_lat.to(dot_ty)), p.to(k_lat.dtype).to(dot_ty), acc=acc * alpha[None, :],
-                     input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid,
+                                             m_i, l_i, acc, scale_log2, DOT_PRECISION, FP32_DOT)
         block = block_next
 
     # An empty range leaves l = 0, m = -inf: o = 0 and lse = -inf + log2(0) = -inf.
@@ -387,7 +434,8 @@ def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int
 
 
 #: 64-row KV tiles gave wrong outputs (1 stage) and illegal memory accesses (H=32) on an
-#: H200 in the launch sweep; until that is understood the launcher refuses them on GPUs.
+#: H200 in the launch sweep, by tensor descriptors too (Triton 3.6; the score product is a
+#: wgmma there); until that is understood the launcher refuses them on GPUs.
 MAX_SPLIT_KV_BLOCK_N = 32
 
 
@@ -401,6 +449,9 @@ class SplitKVConfig:
     num_warps: int
     num_stages: int  # pipeline depth of the KV loop: 3 issues each tile's loads two tiles ahead
     programs_per_sm: int  # resident programs per SM / CU at this configuration (AOT occupancy)
+    #: KV tiles by tensor descriptors (TMA on sm_90) where the cache allows, see
+    #: :func:`_kv_descriptors`; else, and always when False, pointer gathers
+    tma: bool = False
 
 
 def split_kv_head_tiles(backend: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
@@ -421,19 +472,19 @@ def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfl
     48 and 96 three (of 16 / 32), adjacent in the grid, so the KV tile the first reads
     from HBM the others mostly find in L2.
 
-    sm_90 (AOT reports, bf16, 576/512): 32 KV rows per tile, 3 stages: Triton allocates
-    two [32, 576] buffers (the score dot's mma.sync copies its tile to registers before
-    the next load lands) and issues each tile's cp.async two tiles ahead; 16 heads: 91 KiB
-    of shared memory, 180 registers, 2 programs per SM; 32 heads: 110 KiB, 255 registers,
-    2 per SM; 64 heads, 8 warps (two warpgroups split the [512, 64] accumulator): 148
-    KiB, 1 per SM. 64-row tiles need three 72 KiB buffers for two tiles in flight (wgmma
-    reads its operands in shared memory until it completes): more than 227 KiB; with two
-    buffers the loads are issued only one tile ahead, after the previous tile's dots.
+    sm_90 (bf16, 576/512): 32 KV rows per tile by tensor descriptors (TMA), 3 stages:
+    Triton keeps two [32, 576] tiles in flight, each one bulk copy. The H200 sweep
+    (BENCHMARKS.md): at 16 heads 1.5x faster than cp.async pointer gathers at batch 16
+    (86% / 96% of copy bandwidth at 32K / 128K, from 58% / 64%); at 32 heads 32-row
+    tiles beat 16 (the pointer kernel preferred 16); 8 warps and 2 or 4 stages were
+    slower. AOT: 16 heads 91 KiB of shared memory, 167 registers, 2 programs per SM; 32
+    heads 110 KiB, 254 registers, 2 per SM; 64 heads, 8 warps (two warpgroups split the
+    [512, 64] accumulator): 148 KiB, 1 per SM. 64-row tiles are refused
+    (MAX_SPLIT_KV_BLOCK_N).
     AMD: 32-row tiles, no software pipeline (its buffers cost VGPRs on gfx942), 4 warps;
     16 heads: 237 / 246 VGPRs (gfx942 / gfx950), 2 waves per SIMD; 32 heads: 401 / 468,
     1 wave. fp32 inputs (twice the bytes per row, dots without matrix units): 16 rows, 8
-    warps, no spills anywhere. Chosen from compiler reports, not yet timed: the
-    benchmark's --sweep times the alternatives on an H200."""
+    warps, no spills anywhere. AMD and fp32: chosen from compiler reports, not timed."""
     tiles = split_kv_head_tiles(backend, dtype)
     block_h = max((t for t in tiles if num_heads % t == 0), default=HEAD_TILE)
     if dtype == torch.float32:
@@ -441,10 +492,8 @@ def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfl
     if backend == "hip":
         return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 else 1)
     if block_h == 64:
-        return SplitKVConfig(block_h, 32, 8, 3, 1)
-    if block_h == 32:  # the H200 sweep: 16-row tiles 10-13% faster than 32 at every batch/context
-        return SplitKVConfig(block_h, 16, 4, 3, 2)
-    return SplitKVConfig(block_h, 32, 4, 3, 2)
+        return SplitKVConfig(block_h, 32, 8, 3, 1, tma=True)
+    return SplitKVConfig(block_h, 32, 4, 3, 2, tma=True)
 
 
 def _backend() -> str:
@@ -474,9 +523,33 @@ def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype:
 
 
 def _split_kv_constexprs(config: SplitKVConfig, qk_dim: int, value_dim: int, dtype: torch.dtype,
-                         interpreted: bool = _INTERPRETED) -> dict[str, object]:
+                         use_tma: bool, interpreted: bool = _INTERPRETED) -> dict[str, object]:
     return {**_widths(qk_dim, value_dim), "BLOCK_H": config.block_h, "BLOCK_N": config.block_n,
-            **_dot_constexprs(dtype, interpreted)}
+            **_dot_constexprs(dtype, interpreted), "USE_TMA": use_tma,
+            "GATHER_N": HEAD_TILE if use_tma else config.block_n}  # 16: the smallest dot
+
+
+def _kv_descriptors(kv_cache: Tensor, value_dim: int, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Tensor descriptors of the split-KV kernel's USE_TMA loads over the cache's rows
+    [num_blocks * block_size, W]: the latent part (shape [rows, L], tiles [block_n,
+    BLOCK_L]: columns past L read as 0) and the k_pe part (shape [rows, W], tiles
+    [block_n, BLOCK_R] at column L). None where the cache does not allow them: blocks
+    not stored back to back, a block size that is not a multiple of ``block_n`` (a tile
+    must lie in one block), rows or base not 16-byte aligned (TMA), or a CUDA device
+    without TMA (before sm_90)."""
+    num_blocks, block_size, W = kv_cache.shape
+    if kv_cache.is_cuda and not _INTERPRETED and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+        return None
+    if kv_cache.is_cuda and torch.version.hip:  # plain loads there: measured only with pointers
+        return None
+    rows_contiguous = kv_cache.stride(0) == block_size * kv_cache.stride(1) and kv_cache.stride(2) == 1
+    aligned = kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
+    if not (rows_contiguous and aligned and block_size % block_n == 0 and num_blocks > 0):
+        return None
+    widths = _widths(W, value_dim)
+    rows, row_stride = num_blocks * block_size, kv_cache.stride(1)
+    return (TensorDescriptor(kv_cache, [rows, value_dim], [row_stride, 1], [block_n, widths["BLOCK_L"]]),
+            TensorDescriptor(kv_cache, [rows, W], [row_stride, 1], [block_n, widths["BLOCK_R"]]))
 
 
 def _combine_constexprs(value_dim: int, num_splits: int) -> dict[str, object]:
@@ -485,11 +558,15 @@ def _combine_constexprs(value_dim: int, num_splits: int) -> dict[str, object]:
             "BLOCK_S": min(64, triton.next_power_of_2(num_splits))}
 
 
-def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
-    """Triton types of fn's arguments: the named pointers, constexprs, scale_log2 fp32, i32 rest."""
+def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object],
+               typed: dict[str, str] | None = None) -> dict[str, str]:
+    """Triton types of fn's arguments: the named pointers, ``typed`` as given (tensor
+    descriptors), constexprs, scale_log2 fp32, i32 rest."""
+    typed = typed or {}
+
     def ty(a: str) -> str:
-        return f"*{pointers[a]}" if a in pointers else "constexpr" if a in constexprs else \
-            "fp32" if a == "scale_log2" else "i32"
+        return f"*{pointers[a]}" if a in pointers else typed[a] if a in typed else \
+            "constexpr" if a in constexprs else "fp32" if a == "scale_log2" else "i32"
     return {a: ty(a) for a in fn.arg_names}
 
 
@@ -507,18 +584,24 @@ def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: t
     t = _TRITON_DTYPE[dtype]
 
     def launch(name: str, fn, ptrs: dict[str, str], c: dict[str, object], num_warps: int = _NUM_WARPS,
-               num_stages: int = 1) -> KernelLaunch:
-        return KernelLaunch(name, fn, _signature(fn, ptrs, c), c, num_warps, num_stages,
+               num_stages: int = 1, typed: dict[str, str] | None = None) -> KernelLaunch:
+        return KernelLaunch(name, fn, _signature(fn, ptrs, c, typed), c, num_warps, num_stages,
                             tuple(a for a in fn.arg_names if a in _DIVISIBLE_STRIDES))
 
     launches = []
     for block_h in split_kv_head_tiles(backend, dtype):
         cfg = split_kv_config(backend, block_h, dtype)
-        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, interpreted=False)
+        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, cfg.tma, interpreted=False)
         ptrs = {"q_ptr": t, "kv_ptr": t, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
                 "o_ptr": "fp32", "lse_ptr": "fp32"}  # fp32 partials
+        if cfg.tma:  # the descriptors of _kv_descriptors
+            w = _widths(qk_dim, value_dim)
+            typed = {"lat_desc": f"tensordesc<{t}[{cfg.block_n}, {w['BLOCK_L']}]>",
+                     "pe_desc": f"tensordesc<{t}[{cfg.block_n}, {w['BLOCK_R']}]>"}
+        else:
+            typed, c = {}, {**c, "lat_desc": None, "pe_desc": None}
         launches.append(launch(f"{SPLIT_KV.name}_h{block_h}", _mla_decode_split_kv_kernel, ptrs, c,
-                               cfg.num_warps, cfg.num_stages))
+                               cfg.num_warps, cfg.num_stages, typed))
     for kernel in (GENERIC, PREFILL):
         c = _attention_constexprs(kernel, qk_dim, value_dim, dtype,
                                   default_block_n(kernel is not GENERIC, backend, dtype), interpreted=False)
@@ -664,14 +747,17 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
         lse_part = _empty((B, H, num_splits), torch.float32, q.device)
         o_strides, lse_strides = o_part.stride()[:3], lse_part.stride()
     # head tiles fastest: the programs that read the same KV tiles run together (L2)
+    descriptors = _kv_descriptors(kv_cache, value_dim, cfg.block_n) if cfg.tma else None
+    lat_desc, pe_desc = descriptors or (None, None)
     grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
     _mla_decode_split_kv_kernel[grid](
-        q, kv_cache, block_table, seq_lens, o_part, lse_part,
+        q, kv_cache, lat_desc, pe_desc, block_table, seq_lens, o_part, lse_part,
         scale * LOG2E, H, num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         *o_strides, *lse_strides,
         kv_cache.shape[1],
-        **_split_kv_constexprs(cfg, W, value_dim, q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_split_kv_constexprs(cfg, W, value_dim, q.dtype, descriptors is not None),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         c = _combine_constexprs(value_dim, num_splits)
