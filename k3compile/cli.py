@@ -727,9 +727,13 @@ def optimize_command(
         ),
     ] = "bfloat16",
     block_size: Annotated[
-        int,
-        typer.Option(help="Tokens per MLA cache block (fixed per artifact). Example: --block-size 16"),
-    ] = 16,
+        Optional[int],
+        typer.Option(
+            help="Tokens per MLA cache block (fixed per artifact); default: the target's (h200: 64, so that "
+            "the fast MLA decode kernel loads its KV tiles by TMA; others: 16). Example: --block-size 16",
+            show_default=False,
+        ),
+    ] = None,
     enable: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -777,7 +781,7 @@ def optimize_command(
         if tp < 1:
             raise UserError(f"--tp must be at least 1, got {tp}")
         _check_dcp(tp, dcp, dcp_interleave)
-        if block_size < 1:
+        if block_size is not None and block_size < 1:
             raise UserError(f"--block-size must be at least 1, got {block_size}")
         _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
         _choice(target, _target_names(), "--target", "target")
@@ -804,7 +808,7 @@ def optimize_command(
 
         console.print(
             f"[bold]Compiling[/] {escape(str(model_dir))} ({_config_name(cfg)}, {cfg.num_hidden_layers} layers) "
-            f"for target {target}: tp {tp}{f', dcp {dcp}' if dcp > 1 else ''}, {dtype}, block size {block_size}"
+            f"for target {target}: tp {tp}{f', dcp {dcp}' if dcp > 1 else ''}, {dtype}, block size {options.block_size}"
             + (", validating every pass" if validate else ""),
             soft_wrap=True,
         )
@@ -879,7 +883,11 @@ def plan_command(
     dtype: Annotated[
         str, typer.Option(help="Weight and activation dtype: bfloat16 or float32. Example: --dtype bfloat16")
     ] = "bfloat16",
-    block_size: Annotated[int, typer.Option(help="Tokens per MLA cache block. Example: --block-size 64")] = 16,
+    block_size: Annotated[
+        Optional[int],
+        typer.Option(help="Tokens per MLA cache block; default: the target's (h200: 64, others: 16). "
+                     "Example: --block-size 64", show_default=False),
+    ] = None,
     enable: Annotated[
         Optional[list[str]],
         typer.Option(help="Add a pass to the target's list. Example: --enable remove_noops", show_default=False),
@@ -905,7 +913,7 @@ def plan_command(
         _check_tp(cfg, tp)
         _check_dcp(tp, dcp, dcp_interleave)
         for option, value in (("--context", context), ("--sequences", sequences), ("--block-size", block_size)):
-            if value < 1:
+            if value is not None and value < 1:
                 raise UserError(f"{option} must be at least 1, got {value}")
         _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
         _choice(target, _target_names(), "--target", "target")

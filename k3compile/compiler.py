@@ -19,6 +19,7 @@ from k3compile.config import load_config
 from k3compile.pipeline import PipelineOptions, PipelineResult, run_pipeline
 from k3compile.placement import propagate_placements
 from k3compile.sharding import ParallelPlan
+from k3compile.targets import get_target
 from k3compile.validation import TranslationValidator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -31,7 +32,7 @@ class CompileOptions:
     dcp_interleave: int = 1
     target: str = "cpu"
     dtype: str = "bfloat16"
-    block_size: int = 16
+    block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
     enable: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()
     validate: bool = False
@@ -40,6 +41,8 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from k3compile.batch import CacheShape, KDALayerCache, MLALayerCache, allocate_c
 from k3compile.config import K3Config
 from k3compile.context_parallel import ContextLayout, program_layout
 from k3compile.sharding import ParallelPlan, ShardSpec
+from k3compile.targets import get_target
 
 #: Weight kinds in report order, each with the checkpoint-name pattern that selects it
 #: (the first match wins; names are the checkpoint's, without the kimi_k3 prefix).
@@ -114,9 +115,13 @@ class MemoryOptions:
     dtype: torch.dtype = torch.bfloat16
     context: int = 131072  # tokens per sequence
     sequences: int = 1  # sequences resident at once
-    block_size: int = 16
+    block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
     enable: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
 
 
 @dataclass
@@ -151,7 +156,6 @@ def plan_memory(
     from k3compile.capture import capture
     from k3compile.pipeline import PipelineOptions, resolve_passes, run_pipeline
     from k3compile.placement import propagate_placements
-    from k3compile.targets import get_target
 
     say = on_step or (lambda _msg: None)
     target = get_target(options.target)

@@ -300,3 +300,14 @@ def test_tp2_artifact_needs_torchrun(model_dir, tmp_path):
         invoke("run", out, "--prompt", "1 2 3"),
         f"{out} was compiled for tp=2: start it on 2 processes with 'torchrun --nproc-per-node 2 -m k3compile run {out}'",
     )
+
+
+def test_block_size_defaults_to_the_targets():
+    """h200 takes 64-token MLA cache blocks (the split-KV kernel's descriptor tiles lie in
+    one block), other targets 16; a given block size wins."""
+    from k3compile.compiler import CompileOptions
+    from k3compile.memory import MemoryOptions
+
+    assert [CompileOptions(target=t).block_size for t in ("h200", "mi355x", "mi300x", "cpu")] == [64, 16, 16, 16]
+    assert CompileOptions(target="h200", block_size=16).block_size == 16
+    assert MemoryOptions(target="h200").block_size == 64 and MemoryOptions().block_size == 16

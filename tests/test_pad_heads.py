@@ -238,7 +238,9 @@ def _compile_pair(model_dirs, tmp_path, tp: int):
                                               disable=(*others, PadAttentionHeads.name)))
     result = optimize(model_dir, padded, CompileOptions(tp=tp, target="h200", dtype="float32", validate=True,
                                                         enable=(PadAttentionHeads.name,), disable=others))
-    decode = load_artifact(padded).programs["decode"]  # the new ops survive the .pt2 round trip
+    artifact = load_artifact(padded)
+    assert artifact.info.block_size == 64  # h200's default: the split-KV kernel's TMA tiles fit a block
+    decode = artifact.programs["decode"]  # the new ops survive the .pt2 round trip
     targets = [n.target for n in decode.graph.nodes]
     assert targets.count(k3.mla_decode_split_kv.default) == 2 and k3.mla_decode.default not in targets
     return plain, padded, [r for r in result.pipeline.records if r.pass_name == PadAttentionHeads.name]
