@@ -368,22 +368,30 @@ def sweep_plans() -> list[dict[str, object]]:
                                   "num_warps": warps})
     for bv in (16, 32):
         plans.append({"block_v": bv, "tiles_per_program": 1, "evict_state": True})
-    return plans
+    return plans + register_cap_plans()
+
+
+def register_cap_plans() -> list[dict[str, object]]:
+    """Value tiles 32 to 128 on 4 warps with a register cap (``max_registers``, CUDA's
+    maxnreg): more resident programs per SM, so more state reads in flight and programs in
+    different phases (read, update, write), at the price of spills."""
+    caps = {32: (56, 64), 64: (80, 96, 104), 128: (128, 160)}
+    return [{"block_v": bv, "tiles_per_program": 1, "num_warps": 4, "max_registers": r}
+            for bv, rs in caps.items() for r in rs]
 
 
 def plan_name(plan: dict[str, object]) -> str:
     if not plan:
         return "default"
-    short = {"block_v": "BV", "tiles_per_program": "NT", "num_stages": "NS", "num_warps": "W"}
+    short = {"block_v": "BV", "tiles_per_program": "NT", "num_stages": "NS", "num_warps": "W", "max_registers": "R"}
     name = " ".join(f"{short[k]}{v}" for k, v in plan.items() if k in short)
     return name + (" evict-first" if plan.get("evict_state") else "")
 
 
 def run_sweep(batches: list[int], slots: int, reps: int, device: torch.device, units: int,
-              bandwidth: float) -> list[dict[str, object]]:
+              bandwidth: float, plans: list[dict[str, object]]) -> list[dict[str, object]]:
     """Check every plan at every batch (fp32 and bf16), then time each (bf16): one row per
     (batch, plan) with the resolved launch config."""
-    plans = sweep_plans()
     for b in batches:
         for act in (torch.float32, torch.bfloat16):
             problem = make_problem(b, slots, device, seed=b, act=act)
@@ -447,6 +455,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch plans of the fused kernel only")
+    parser.add_argument("--sweep-only", choices=("register-caps",), help="with --sweep: only these plans (and the default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA (or ROCm) GPU")
@@ -456,9 +465,10 @@ def main() -> None:
     torch.manual_seed(0)
     if args.sweep:
         bandwidth = copy_bandwidth(1 << 30, 10)
-        rows = run_sweep(batches, args.slots, args.reps, device, units, bandwidth)
+        plans = [{}, *register_cap_plans()] if args.sweep_only == "register-caps" else sweep_plans()
+        rows = run_sweep(batches, args.slots, args.reps, device, units, bandwidth, plans)
         print(f"\n{torch.cuda.get_device_name(device)}, {units} SMs/CUs; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
-              f"{len(sweep_plans())} launch plans, bf16 activations\n")
+              f"{len(plans)} launch plans, bf16 activations\n")
         print(sweep_markdown(rows))
         result = {"device": torch.cuda.get_device_name(device), "compute_units": units, "torch": torch.__version__,
                   "triton": triton.__version__, "copy_bandwidth_Bps": bandwidth, "slots": args.slots,

@@ -288,6 +288,7 @@ BAD_INPUTS = [
     ("num_warps-3", lambda a: a.update(num_warps=3), "num_warps must be a power of two up to 16, got 3"),
     ("num_stages-0", lambda a: a.update(num_stages=0), "num_stages must be 1 to 3, got 0"),
     ("num_stages-4", lambda a: a.update(num_stages=4), "num_stages must be 1 to 3, got 4"),
+    ("max_registers-300", lambda a: a.update(max_registers=300), "max_registers must be 24 to 255, got 300"),
 ]
 
 

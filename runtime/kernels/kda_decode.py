@@ -425,6 +425,9 @@ class LaunchConfig:
     num_warps: int
     num_stages: int  # state tiles a program has in flight (register buffers), 1 to 3
     evict_state: bool  # evict-first cache hint on the state stream (read and written once)
+    #: a cap on registers per thread (CUDA only: Triton's ``maxnreg``), for more resident
+    #: programs per SM at the price of spills; None: the compiler's choice
+    max_registers: int | None = None
 
     def programs_per_head(self, head_dim_v: int) -> int:
         return head_dim_v // (self.block_v * self.tiles_per_program)
@@ -433,7 +436,7 @@ class LaunchConfig:
 def launch_config(
     batch: int, heads: int, head_dim: int, head_dim_v: int, compute_units: int, *,
     block_v: int | None = None, tiles_per_program: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, evict_state: bool | None = None,
+    num_stages: int | None = None, evict_state: bool | None = None, max_registers: int | None = None,
 ) -> LaunchConfig:
     """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
     ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, no cache hint). Raises
@@ -463,7 +466,9 @@ def launch_config(
     if num_stages is None:
         num_stages = 2
     num_stages = min(num_stages, tiles_per_program)
-    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state))
+    if max_registers is not None and not 24 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be 24 to 255, got {max_registers}")
+    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers)
 
 
 def bytes_moved(
@@ -578,6 +583,7 @@ def kda_decode_fused(
     num_warps: int | None = None,
     num_stages: int | None = None,
     evict_state: bool | None = None,
+    max_registers: int | None = None,
 ) -> Tensor:
     """One KDA decode step for B sequences, one launch; updates conv states and state in place.
 
@@ -593,7 +599,8 @@ def kda_decode_fused(
     device): ``block_v``, the value tile, a power of two dividing DV; ``tiles_per_program``,
     value tiles one program updates in turn; ``num_warps``; ``num_stages``, value tiles in
     flight per program (with several tiles per program); ``evict_state``, the evict-first
-    cache hint on the state stream.
+    cache hint on the state stream; ``max_registers``, a register cap per thread (CUDA's
+    maxnreg; ignored elsewhere; every cap tried on an H200 was slower, BENCHMARKS.md).
     """
     if not isinstance(state, Tensor) or state.dim() != 4:
         raise ValueError(f"state must be a [S, H, D, DV] tensor, got {getattr(state, 'shape', type(state).__name__)}")
@@ -639,7 +646,8 @@ def kda_decode_fused(
     else:
         _expect("out", out, (B, H, DV), (act,), device)
     config = launch_config(B, H, D, DV, _compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
-                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state)
+                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state,
+                           max_registers=max_registers)
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):
         raise ValueError(
             "kda_decode_fused on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -657,6 +665,7 @@ def kda_decode_fused(
         float(lower_bound), float(scale), float(eps),
         **_constexprs(H, D, DV, K, config),
         num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
+        **({"maxnreg": config.max_registers} if config.max_registers and device.type == "cuda" else {}),
     )
     return out
 
@@ -689,6 +698,7 @@ def kda_decode_chain_reference(
     num_warps: int | None = None,
     num_stages: int | None = None,
     evict_state: bool | None = None,
+    max_registers: int | None = None,
 ) -> Tensor:
     """The unfused chain with the repo's k3 ops, in the model's order (``kda_decode_fused``'s
     contract; the launch choices are accepted and ignored so the two are interchangeable)."""
