@@ -368,14 +368,7 @@ def sweep_plans() -> list[dict[str, object]]:
                                   "num_warps": warps})
     for bv in (16, 32):
         plans.append({"block_v": bv, "tiles_per_program": 1, "evict_state": True})
-    return plans + register_cap_plans() + pipeline_plans()
-
-
-def pipeline_plans() -> list[dict[str, object]]:
-    """Several tiles per program in a runtime loop that Triton's pipeliner stages through
-    shared memory (``pipeline``): tiles in flight without holding them in registers."""
-    return [{"block_v": bv, "tiles_per_program": nt, "num_stages": ns, "num_warps": 4, "pipeline": True}
-            for bv in (16, 32, 64) for nt in (2, 4, 8) if bv * nt <= HEAD_DIM for ns in (2, 3)]
+    return plans + register_cap_plans()
 
 
 def register_cap_plans() -> list[dict[str, object]]:
@@ -387,15 +380,12 @@ def register_cap_plans() -> list[dict[str, object]]:
             for bv, rs in caps.items() for r in rs]
 
 
-SWEEP_GROUPS = {"register-caps": register_cap_plans, "pipeline": pipeline_plans}
-
-
 def plan_name(plan: dict[str, object]) -> str:
     if not plan:
         return "default"
     short = {"block_v": "BV", "tiles_per_program": "NT", "num_stages": "NS", "num_warps": "W", "max_registers": "R"}
     name = " ".join(f"{short[k]}{v}" for k, v in plan.items() if k in short)
-    return name + (" evict-first" if plan.get("evict_state") else "") + (" pipelined" if plan.get("pipeline") else "")
+    return name + (" evict-first" if plan.get("evict_state") else "")
 
 
 def run_sweep(batches: list[int], slots: int, reps: int, device: torch.device, units: int,
@@ -465,7 +455,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch plans of the fused kernel only")
-    parser.add_argument("--sweep-only", choices=tuple(SWEEP_GROUPS), help="with --sweep: only these plans (and the default)")
+    parser.add_argument("--sweep-only", choices=("register-caps",), help="with --sweep: only these plans (and the default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA (or ROCm) GPU")
@@ -475,7 +465,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.sweep:
         bandwidth = copy_bandwidth(1 << 30, 10)
-        plans = [{}, *SWEEP_GROUPS[args.sweep_only]()] if args.sweep_only else sweep_plans()
+        plans = [{}, *register_cap_plans()] if args.sweep_only == "register-caps" else sweep_plans()
         rows = run_sweep(batches, args.slots, args.reps, device, units, bandwidth, plans)
         print(f"\n{torch.cuda.get_device_name(device)}, {units} SMs/CUs; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
               f"{len(plans)} launch plans, bf16 activations\n")

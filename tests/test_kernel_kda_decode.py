@@ -117,16 +117,15 @@ class Case:
     num_stages: int | None = None
     num_warps: int | None = None
     evict_state: bool | None = None
-    pipeline: bool | None = None
 
     def launch(self) -> dict[str, object]:
         return {"block_v": self.block_v, "tiles_per_program": self.tiles_per_program, "num_stages": self.num_stages,
-                "num_warps": self.num_warps, "evict_state": self.evict_state, "pipeline": self.pipeline}
+                "num_warps": self.num_warps, "evict_state": self.evict_state}
 
     def id(self) -> str:
         plan = "".join(f"-{short}{value}" for short, value in (
             ("NT", self.tiles_per_program), ("NS", self.num_stages), ("W", self.num_warps),
-            ("EV", self.evict_state), ("P", self.pipeline)) if value is not None)
+            ("EV", self.evict_state)) if value is not None)
         return (f"B{self.batch}-H{self.heads}-D{self.head_dim}x{self.head_dim_v}-BV{self.block_v}{plan}-"
                 f"{str(self.dtype).removeprefix('torch.')}")
 
@@ -186,12 +185,6 @@ CASES = [
          num_stages=1, num_warps=8),
     Case(batch=4, heads=2, head_dim=32, head_dim_v=32, block_v=8, dtype=torch.bfloat16, tiles_per_program=2,
          num_stages=2, evict_state=True),
-    # the tiles of a program in a runtime loop for Triton's pipeliner: all of a head's, or
-    # half of them (arrival counter)
-    Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=8, dtype=torch.bfloat16, tiles_per_program=4,
-         num_stages=3, pipeline=True),
-    Case(batch=2, heads=3, head_dim=16, head_dim_v=32, block_v=8, dtype=torch.float32, tiles_per_program=2,
-         num_stages=2, pipeline=True),
 ]
 
 

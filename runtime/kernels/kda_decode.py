@@ -272,7 +272,6 @@ def kda_decode_kernel(
     NT: tl.constexpr,  # value tiles per program, updated in turn
     NS: tl.constexpr,  # state tiles in flight per program (1 to 3), registers each
     STATE_EVICT: tl.constexpr,  # cache eviction policy of the state stream: "evict_first" or ""
-    PIPELINE: tl.constexpr,  # NT tiles in a runtime loop that Triton pipelines (NS stages in shared memory)
 ):
     SPLIT: tl.constexpr = DV // (BV * NT)  # programs per head
     DIRECT: tl.constexpr = SPLIT == 1 and NT == 1  # one program and one tile per head: o stays in registers
@@ -298,12 +297,11 @@ def kda_decode_kernel(
     v_conv_state_row = v_conv_state_ptr + slot * (H * DV * (K - 1)) + i_h * (DV * (K - 1))
     q_stored, q_w = _conv_taps(q_conv_w_ptr, q_conv_state, qk_channels, cols, K)
     k_stored, k_w = _conv_taps(k_conv_w_ptr, k_conv_state, qk_channels, cols, K)
-    if not PIPELINE:
-        b0 = _tile_reads(head_state, dk, first, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
-    if NS > 1 and NT > 1 and not PIPELINE:
+    b0 = _tile_reads(head_state, dk, first, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
+    if NS > 1 and NT > 1:
         b1 = _tile_reads(head_state, dk, first + 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
                          STATE_EVICT)
-    if NS > 2 and NT > 2 and not PIPELINE:
+    if NS > 2 and NT > 2:
         b2 = _tile_reads(head_state, dk, first + 2, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
                          STATE_EVICT)
     tl.debug_barrier()
@@ -326,13 +324,7 @@ def kda_decode_kernel(
 
     # 3. Delta rule on this program's NT value tiles, each read once and written once.
     row = (i_b * H + i_h) * DV
-    if PIPELINE:  # Triton issues tile t + NS - 1's reads (to shared memory) while tile t is updated
-        for t in tl.range(0, NT, num_stages=NS):
-            _value_tile(_tile_reads(head_state, dk, first + t, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV,
-                                    K, STATE_EVICT),
-                        _tile_ptrs(head_state, dk, first + t, DV, BV), first + t, decay, q, k, beta, beta_kq,
-                        v_conv_state_row, out_ptr + row, cols, BV, K, STATE_EVICT, True)
-    for t in tl.static_range(0 if PIPELINE else NT):
+    for t in tl.static_range(NT):
         if t > 0 and t + NS - 1 < NT:  # keep NS tiles in flight: read the one NS-1 ahead
             nxt = _tile_reads(head_state, dk, first + t + NS - 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV,
                               BV, K, STATE_EVICT)
@@ -436,9 +428,6 @@ class LaunchConfig:
     #: a cap on registers per thread (CUDA only: Triton's ``maxnreg``), for more resident
     #: programs per SM at the price of spills; None: the compiler's choice
     max_registers: int | None = None
-    #: several tiles per program in a runtime loop that Triton's pipeliner stages through
-    #: shared memory (num_stages deep) instead of the unrolled register buffers
-    pipeline: bool = False
 
     def programs_per_head(self, head_dim_v: int) -> int:
         return head_dim_v // (self.block_v * self.tiles_per_program)
@@ -448,7 +437,6 @@ def launch_config(
     batch: int, heads: int, head_dim: int, head_dim_v: int, compute_units: int, *,
     block_v: int | None = None, tiles_per_program: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, evict_state: bool | None = None, max_registers: int | None = None,
-    pipeline: bool | None = None,
 ) -> LaunchConfig:
     """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
     ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, no cache hint). Raises
@@ -480,10 +468,7 @@ def launch_config(
     num_stages = min(num_stages, tiles_per_program)
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 24 to 255, got {max_registers}")
-    if pipeline and tiles_per_program == 1:
-        raise ValueError("pipeline needs tiles_per_program > 1 (a loop to pipeline)")
-    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers,
-                        bool(pipeline))
+    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers)
 
 
 def bytes_moved(
@@ -503,8 +488,7 @@ def _constexprs(
 ) -> dict[str, int | str]:
     return {"H": heads, "D": head_dim, "DV": head_dim_v, "K": conv_kernel,
             "KP": triton.next_power_of_2(conv_kernel), "BV": config.block_v, "NT": config.tiles_per_program,
-            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else "",
-            "PIPELINE": config.pipeline}
+            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else ""}
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -600,7 +584,6 @@ def kda_decode_fused(
     num_stages: int | None = None,
     evict_state: bool | None = None,
     max_registers: int | None = None,
-    pipeline: bool | None = None,
 ) -> Tensor:
     """One KDA decode step for B sequences, one launch; updates conv states and state in place.
 
@@ -664,7 +647,7 @@ def kda_decode_fused(
         _expect("out", out, (B, H, DV), (act,), device)
     config = launch_config(B, H, D, DV, _compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
                            num_warps=num_warps, num_stages=num_stages, evict_state=evict_state,
-                           max_registers=max_registers, pipeline=pipeline)
+                           max_registers=max_registers)
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):
         raise ValueError(
             "kda_decode_fused on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -681,8 +664,7 @@ def kda_decode_fused(
         a, A_log, dt_bias, beta, state, slots, gate, norm_weight, out, counters,
         float(lower_bound), float(scale), float(eps),
         **_constexprs(H, D, DV, K, config),
-        # without PIPELINE the kernel has no loop for Triton to pipeline
-        num_warps=config.num_warps, num_stages=config.num_stages if config.pipeline else 1,
+        num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
         **({"maxnreg": config.max_registers} if config.max_registers and device.type == "cuda" else {}),
     )
     return out
@@ -717,7 +699,6 @@ def kda_decode_chain_reference(
     num_stages: int | None = None,
     evict_state: bool | None = None,
     max_registers: int | None = None,
-    pipeline: bool | None = None,
 ) -> Tensor:
     """The unfused chain with the repo's k3 ops, in the model's order (``kda_decode_fused``'s
     contract; the launch choices are accepted and ignored so the two are interchangeable)."""
