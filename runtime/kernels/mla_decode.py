@@ -19,11 +19,12 @@ rows) against one KV tile on the matrix units.
     BLOCK_H heads of one sequence (all of them at 16, 32, 64 heads; 48 and 96 heads take
     three head-tile programs, adjacent in the grid so that they read the same KV tiles
     close together in time, the later ones from L2) against one of ``num_splits`` chunks
-    of its context, so that even batch 1 fills every CU/SM. Each program writes a partial (o, lse) in fp32;
-    ``_combine_splits_kernel`` merges the splits with LSE weights. Head counts must be
+    of its context, so that even batch 1 fills every CU/SM. Each program writes a
+    partial (o, lse) in fp32; ``_combine_splits_kernel`` merges the splits with LSE weights. Head counts must be
     multiples of 16, the smallest head tile: K3 at TP8 has 12 heads per rank, which a
     compiler pass pads to 16 (DCP gathers 32 or 96). Launch choices (head tile, KV tile,
-    warps, pipeline stages, splits): :func:`split_kv_config`, :func:`choose_num_splits`.
+    warps, pipeline stages, tensor-descriptor tiles, splits): :func:`split_kv_config`,
+    :func:`choose_num_splits`; :func:`_kv_descriptors` says where descriptors apply.
 ``mla_decode_generic``  what engines fall back to for other head counts: one program
     per (batch, head), vector math (a 1-row tile cannot use the matrix units). Correct
     for any head count, but every head re-reads the context and a batch-1 step runs only
@@ -34,7 +35,8 @@ rows) against one KV tile on the matrix units.
 The last two share ``_mla_attention_kernel`` (DECODE: one new token per sequence).
 
 The KV loops read BLOCK_N cache rows per step (a gather through the block table, any
-block size) as a [BLOCK_N, L] latent tile and a [BLOCK_N, R] k_pe tile; the latent
+block size, or for the split-KV kernel on sm_90 one bulk copy by tensor descriptor) as
+a [BLOCK_N, L] latent tile and a [BLOCK_N, R] k_pe tile; the latent
 tile serves both products (scores and values), so each cache byte is read once. Both
 parts are padded to powers of two (and to 16, the smallest dot) under masks, so the
 same source runs K3's 576/512 and the tiny test widths. The online softmax runs in the
