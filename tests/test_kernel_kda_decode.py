@@ -331,21 +331,24 @@ def test_launch_plan_fills_the_gpu(target: str) -> None:
         if bv < kda.MAX_BLOCK_V:  # the next wider tile would have left CUs without a second program
             assert programs // 2 < 2 * units
     assert kda.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
-    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == kda.MAX_BLOCK_V == 64
+    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == kda.MAX_BLOCK_V == 128
 
 
 @pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
 def test_default_launch_config(target: str) -> None:
     """The launcher's defaults at K3 shapes: the value tile above, one tile per program (the
     H200 sweep found no gain in more), warps for ~32 state values per thread capped at 4
-    (a 64-wide tile on 8 warps was 1.4x slower), no cache hint."""
+    (a 64-wide tile on 8 warps was 1.4x slower), the evict-first hint only on a head's
+    whole 128-wide row (faster there, costs registers on narrow tiles)."""
     units = aot.TARGETS[target].compute_units
     for batch in (1, 8, 64, 256):
         config = kda.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units)
         bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
         assert config == kda.LaunchConfig(block_v=bv, tiles_per_program=kda.MAX_TILES_PER_PROGRAM, num_warps=min(4, bv // 8),
-                                          num_stages=1, evict_state=False)
+                                          num_stages=1, evict_state=bv == K3_HEAD_DIM)
         assert config.programs_per_head(K3_HEAD_DIM) == K3_HEAD_DIM // bv
+    assert kda.launch_config(1, 2, 16, 16, units).evict_state is False  # a whole row, but only 16 wide
+    assert kda.launch_config(256, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, evict_state=False).evict_state is False
 
 
 def test_tiles_per_program_plan() -> None:
@@ -387,7 +390,7 @@ AOT_TARGETS = ("gfx950", "gfx942", "sm_90")
 # one-warp and multi-tile plans of the GPU sweep (benchmarks/kda_decode.py --sweep).
 AOT_PLANS = (
     (16, 1, 1, None, False), (32, 1, 1, None, False), (64, 1, 1, None, False), (128, 1, 1, None, False),
-    (16, 1, 1, None, True), (32, 1, 1, None, True), (8, 1, 1, 1, False), (16, 1, 1, 1, False),
+    (16, 1, 1, None, True), (32, 1, 1, None, True), (128, 1, 1, None, True), (8, 1, 1, 1, False), (16, 1, 1, 1, False),
     (32, 2, 2, None, False), (32, 4, 2, None, False), (32, 4, 3, None, False), (16, 8, 2, 4, False),
     (16, 8, 3, 4, False), (16, 8, 2, 2, False), (64, 2, 2, 8, False),
 )

@@ -61,15 +61,18 @@ the tile loop is unrolled). Whatever the plan, the reads of the first tiles (sta
 input and v conv state) go out together with the q/k conv reads, pinned there by a barrier
 (the compiler would otherwise sink them below the conv math, which waits for the conv reads:
 two round trips in a row instead of one). ``evict_state`` puts an evict-first cache hint on
-the state stream (touched once per step); off by default: on sm_90 its cache policy costs
-registers (value tile 32, 4 warps: 80 instead of 72, 24 instead of 28 resident warps per SM),
-and the data it would protect in L2 (weights, activations) is touched by every program, so
-LRU keeps it anyway.
+the state stream (touched once per step). By default it is on only when one program takes
+a head's whole row (tile 64 or wider): there it was 4% faster at batch 64 on an H200 (34.6
+vs 36.1 us at tile 128), while on narrow tiles its cache policy costs registers (value tile
+32, 4 warps: 80 instead of 72, 24 instead of 28 resident warps per SM) and the data it
+would protect in L2 (weights, activations) is touched by every program, so LRU keeps it
+anyway.
 
 Launch choices (``launch_config``): ``block_v`` (``choose_block_v``: the widest tile up to
-32 that still gives two programs per CU), ``tiles_per_program`` (``choose_tiles_per_program``,
-capped at ``MAX_TILES_PER_PROGRAM``), ``num_warps`` (``num_warps_for``), ``num_stages`` and
-``evict_state``; ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
+``MAX_BLOCK_V`` that still gives two programs per CU), ``tiles_per_program``
+(``choose_tiles_per_program``, capped at ``MAX_TILES_PER_PROGRAM``), ``num_warps``
+(``num_warps_for``), ``num_stages``, ``evict_state`` (on for whole-row tiles of 64 or more)
+and ``max_registers``; ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
 
 Bytes per step (``bytes_moved``), the floor a memory-bound kernel cannot beat:
 fp32 state read + written once, ``2 * B * H * D * DV * 4`` (1.5 MiB per sequence at K3 per
@@ -122,7 +125,7 @@ __all__ = [
 ]
 
 #: widest value tile (see choose_block_v)
-MAX_BLOCK_V = 64
+MAX_BLOCK_V = 128
 MIN_BLOCK_V = 16
 """Narrowest value tile the launcher picks by itself (a smaller one may be passed)."""
 MAX_TILES_PER_PROGRAM = 1
@@ -382,10 +385,12 @@ def choose_block_v(batch: int, heads: int, head_dim_v: int, compute_units: int, 
     programs per compute unit.
 
     Narrower tiles keep small batches from leaving CUs idle. Wider ones recompute the
-    per-head q/k work fewer times. On an H200 (benchmarks/kda_decode.py --sweep, this
-    kernel) BV = 64 with 4 warps was the fastest at batch 64 and 256 (36.6 / 124.3 us
-    against 39.3 / 138.2 us at BV = 32; 128 was slower); with 8 warps 64 was 1.4x slower.
-    Floor ``MIN_BLOCK_V``. H=12, DV=128 on 132 SMs: batch 1 -> 16, 8 -> 32, 64+ -> 64.
+    per-head q/k work fewer times. On an H200 (benchmarks/kda_decode.py, this kernel, 4
+    warps) the whole 128-wide row per program was the fastest at batch 64 and 256 (with
+    the evict-first hint that launch_config then adds: 34.6-34.9 / 120.6-120.8 us against
+    36.3 / 122.3-122.6 us at BV = 64 and 39.3 / 138.2 us at BV = 32); on 8 warps 64 and 128
+    were 1.4-2x slower. Floor ``MIN_BLOCK_V``. H=12, DV=128 on 132 SMs: batch 1 -> 16,
+    8 -> 32, 16 -> 64, 64+ -> 128.
     """
     bv = min(head_dim_v, MAX_BLOCK_V)
     while bv > MIN_BLOCK_V and batch * heads * (head_dim_v // bv) < waves * compute_units:
@@ -439,7 +444,8 @@ def launch_config(
     num_stages: int | None = None, evict_state: bool | None = None, max_registers: int | None = None,
 ) -> LaunchConfig:
     """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
-    ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, no cache hint). Raises
+    ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, the evict-first hint when
+    a program takes a head's whole row of 64 or more values, no register cap). Raises
     ValueError on a choice the kernel cannot run.
 
     ``num_stages``: how many of its value tiles a program has in flight, each in its own
@@ -468,6 +474,8 @@ def launch_config(
     num_stages = min(num_stages, tiles_per_program)
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 24 to 255, got {max_registers}")
+    if evict_state is None:  # on for whole-row tiles, see the module docstring
+        evict_state = block_v * tiles_per_program == head_dim_v and block_v >= 64
     return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers)
 
 
