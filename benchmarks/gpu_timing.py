@@ -3,6 +3,14 @@
 Small decode steps are timed the way they run in serving: captured in a CUDA graph and
 replayed, the median over repeats. Achievable bandwidth is measured in the same run as
 a large device-to-device copy.
+
+Before each timed replay the stream spins on the GPU (``LAUNCH_COVER_CYCLES``) while the
+host queues the replay, so the timed span starts at the graph's first kernel. Without it
+the span also held the host's launch of the graph (several us), which a graph of only a
+few calls (a large KV cache copied just past L2: 2 to 6 calls) spread over those calls:
+up to ~1.5 us of a 25 us batch-1 attention step (fifth session; BENCHMARKS.md results
+before that date include it). In a served decode step one graph holds hundreds of
+kernels, so that launch is not part of any one kernel's time.
 """
 
 from __future__ import annotations
@@ -11,6 +19,10 @@ import statistics
 from collections.abc import Callable
 
 import torch
+
+#: GPU clock cycles the stream spins before each timed replay (about 0.5 ms on an H200):
+#: long enough for the host to queue the replay behind it
+LAUNCH_COVER_CYCLES = 1_000_000
 
 
 def graph_time(fns: list[Callable[[], object]], repeats: int) -> float:
@@ -31,6 +43,7 @@ def graph_time(fns: list[Callable[[], object]], repeats: int) -> float:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
         start.record()
         graph.replay()
         stop.record()

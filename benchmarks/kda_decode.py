@@ -41,16 +41,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 
-from gpu_timing import copy_bandwidth  # benchmarks/ is the script's directory
+from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
 from k3compile.runtime.kernels.kda_decode import (
     bytes_moved,
     choose_block_v,
@@ -231,29 +231,7 @@ def check_fla(batch: int, slots: int, device: torch.device) -> dict[str, float]:
 
 def graph_time_per_step(step: Callable[[int], object], steps: int, reps: int) -> float:
     """Seconds per step: ``steps`` calls captured in one CUDA graph, median over replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: JIT compiles, autotunes, workspaces
-        for i in range(min(steps, 3)):
-            step(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(steps):
-            step(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / steps)
-    del graph
-    return statistics.median(times)
+    return graph_time([functools.partial(step, i) for i in range(steps)], reps)
 
 
 def time_batch(batch: int, slots: int, reps: int, device: torch.device, use_fla: bool) -> dict[str, object]:
