@@ -193,12 +193,12 @@ def _shift_conv_state(x_ptr, conv_state_ptr, channels, cols, K: tl.constexpr):
 
 
 @triton.jit
-def _gated_rms_norm_store(o, cols, gate_ptr, weight_ptr, out_ptr, eps, DV: tl.constexpr):
-    """out[cols] = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(gate); o is a whole head row."""
+def _gated_rms_norm_store(o, gate, weight, out_ptrs, eps, DV: tl.constexpr):
+    """out = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(gate); o is a whole head row, gate
+    and weight its loaded output-gate logits and norm weight."""
     rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
-    y = o * rstd * tl.load(weight_ptr + cols).to(tl.float32)
-    y = y * tl.sigmoid(tl.load(gate_ptr + cols).to(tl.float32))
-    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
+    y = o * rstd * weight.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))
+    tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty))
 
 
 @triton.jit
@@ -307,6 +307,18 @@ def kda_decode_kernel(
     if NS > 2 and NT > 2:
         b2 = _tile_reads(head_state, dk, first + 2, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
                          STATE_EVICT)
+    # The per-head inputs of steps 2 and 4 go out with them too, so that no round trip is
+    # left after the state update (with one program per head, the output gate and norm
+    # weight were read only after it: one more L2 round trip per program, with its
+    # registers held).
+    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + tl.load(dt_bias_ptr + qk_channels)
+    a_log = tl.load(a_log_ptr + i_h).to(tl.float32)
+    beta_logit = tl.load(beta_ptr + i_b * H + i_h).to(tl.float32)
+    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
+    all_v = tl.arange(0, DV)
+    if DIRECT:
+        gate = tl.load(gate_row + all_v)
+        norm_weight = tl.load(norm_weight_ptr + all_v)
     tl.debug_barrier()
     q, q_window = _conv_apply(tl.load(q_ptr + i_b * (H * D) + qk_channels), q_stored, q_w, cols, K)
     k, k_window = _conv_apply(tl.load(k_ptr + i_b * (H * D) + qk_channels), k_stored, k_w, cols, K)
@@ -320,9 +332,8 @@ def kda_decode_kernel(
     k_scale = tl.rsqrt(kk + _L2_EPS)
     q = q * q_scale
     k = k * k_scale
-    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + tl.load(dt_bias_ptr + qk_channels)
-    decay = tl.exp(lower_bound * tl.sigmoid(tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32)) * a))
-    beta = tl.sigmoid(tl.load(beta_ptr + i_b * H + i_h).to(tl.float32))
+    decay = tl.exp(lower_bound * tl.sigmoid(tl.exp(a_log) * a))
+    beta = tl.sigmoid(beta_logit)
     beta_kq = beta * (qk * q_scale * k_scale)
 
     # 3. Delta rule on this program's NT value tiles, each read once and written once.
@@ -348,14 +359,13 @@ def kda_decode_kernel(
 
     # 4. Gated RMSNorm over the whole head row: from registers (one tile per head), by the
     #    head's only program after its tiles, or by the last of its programs to arrive.
-    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
-    all_v = tl.arange(0, DV)
     if DIRECT:
-        _gated_rms_norm_store(o, all_v, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
+        _gated_rms_norm_store(o, gate, norm_weight, out_ptr + row + all_v, eps, DV)
     elif SPLIT == 1:
         tl.debug_barrier()  # every thread's o stores precede the reads of the whole row
         o_row = tl.load(out_ptr + row + all_v).to(tl.float32)
-        _gated_rms_norm_store(o_row, all_v, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
+        _gated_rms_norm_store(o_row, tl.load(gate_row + all_v), tl.load(norm_weight_ptr + all_v),
+                              out_ptr + row + all_v, eps, DV)
     else:
         tl.debug_barrier()  # all threads' loads and stores precede the release below
         counter = counter_ptr + i_b * H + i_h
@@ -363,7 +373,8 @@ def kda_decode_kernel(
         if arrived == SPLIT - 1:
             tl.debug_barrier()
             o_row = tl.load(out_ptr + row + all_v).to(tl.float32)
-            _gated_rms_norm_store(o_row, all_v, gate_row, norm_weight_ptr, out_ptr + row, eps, DV)
+            _gated_rms_norm_store(o_row, tl.load(gate_row + all_v), tl.load(norm_weight_ptr + all_v),
+                                  out_ptr + row + all_v, eps, DV)
             _shift_conv_state(q_ptr + i_b * (H * D), q_conv_state, qk_channels, cols, K)
             _shift_conv_state(k_ptr + i_b * (H * D), k_conv_state, qk_channels, cols, K)
             tl.store(counter, 0)
