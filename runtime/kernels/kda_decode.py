@@ -221,16 +221,11 @@ def _tile_ptrs(head_state, dk, tile, DV: tl.constexpr, BV: tl.constexpr):
 def _tile_reads(
     head_state, dk, tile, v_row, v_conv_w_row, v_conv_state_row, cols,
     DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, STATE_EVICT: tl.constexpr,
-    s_read, READ: tl.constexpr,
 ):
     """Everything value tile ``tile`` reads, issued together: (its [D, BV] fp32 state slice, and
-    its v channels' input, stored conv state and conv weights). READ: the state slice is
-    ``s_read``, already read."""
+    its v channels' input, stored conv state and conv weights)."""
     dv = tile * BV + tl.arange(0, BV)
-    if READ:
-        s = s_read
-    else:
-        s = tl.load(_tile_ptrs(head_state, dk, tile, DV, BV), eviction_policy=STATE_EVICT)
+    s = tl.load(_tile_ptrs(head_state, dk, tile, DV, BV), eviction_policy=STATE_EVICT)
     v_stored, v_w = _conv_taps(v_conv_w_row, v_conv_state_row, dv, cols, K)
     return s, tl.load(v_row + dv), v_stored, v_w
 
@@ -275,78 +270,18 @@ def kda_decode_kernel(
     out_ptr,  # [B, H, DV]
     counter_ptr,  # [>= B*H] int32, zero between launches
     lower_bound, scale, eps,
-    num_items,  # B * H * programs per head: the work items of PERSISTENT programs
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     BV: tl.constexpr,  # value tile: state columns in registers at a time
     NT: tl.constexpr,  # value tiles per program, updated in turn
     NS: tl.constexpr,  # state tiles in flight per program (1 to 3), registers each
     STATE_EVICT: tl.constexpr,  # cache eviction policy of the state stream: "evict_first" or ""
-    PERSISTENT: tl.constexpr,  # a fixed grid of programs, each looping over items (NT == 1 only)
 ):
-    """Grid (programs per head, H, B): one work item per program. PERSISTENT: a 1-D grid
-    sized to the GPU, program p taking items p, p + G, p + 2G, ... (G programs), item =
-    (b * H + h) * programs per head + tile; while it updates one item's state tile, the
-    next item's tile (and the slot index of the one after) is already being read, so a
-    program's whole life, not only its first item, overlaps the state stream with work."""
-    SPLIT: tl.constexpr = DV // (BV * NT)  # programs per head
-    if PERSISTENT:
-        dk = tl.arange(0, D)
-        step = tl.num_programs(0)
-        last = num_items - 1  # out-of-range look-aheads read this item's tile instead (never used)
-        item = tl.program_id(0)
-        slot = tl.load(slots_ptr + tl.minimum(item, last) // (H * SPLIT)).to(tl.int64)
-        s_next = tl.load(_item_tile_ptrs(state_ptr, slot, tl.minimum(item, last), dk, H, D, DV, BV, SPLIT),
-                         eviction_policy=STATE_EVICT)
-        slot_next = tl.load(slots_ptr + tl.minimum(item + step, last) // (H * SPLIT)).to(tl.int64)
-        for item in tl.range(tl.program_id(0), num_items, step, num_stages=1):
-            s_cur = s_next
-            slot_cur = slot
-            ahead = tl.minimum(item + step, last)
-            s_next = tl.load(_item_tile_ptrs(state_ptr, slot_next, ahead, dk, H, D, DV, BV, SPLIT),
-                             eviction_policy=STATE_EVICT)
-            slot = slot_next
-            slot_next = tl.load(slots_ptr + tl.minimum(item + 2 * step, last) // (H * SPLIT)).to(tl.int64)
-            i_b = tl.cast(item // (H * SPLIT), tl.int64)  # item: a Python int under the interpreter
-            _decode_item(
-                q_ptr, k_ptr, v_ptr, q_conv_w_ptr, k_conv_w_ptr, v_conv_w_ptr,
-                q_conv_state_ptr, k_conv_state_ptr, v_conv_state_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr,
-                state_ptr, gate_ptr, norm_weight_ptr, out_ptr, counter_ptr, lower_bound, scale, eps,
-                item % SPLIT, (item // SPLIT) % H, i_b, slot_cur, s_cur,
-                H, D, DV, K, KP, BV, NT, NS, STATE_EVICT, True,
-            )
-    else:
-        i_b = tl.program_id(2).to(tl.int64)
-        _decode_item(
-            q_ptr, k_ptr, v_ptr, q_conv_w_ptr, k_conv_w_ptr, v_conv_w_ptr,
-            q_conv_state_ptr, k_conv_state_ptr, v_conv_state_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr,
-            state_ptr, gate_ptr, norm_weight_ptr, out_ptr, counter_ptr, lower_bound, scale, eps,
-            tl.program_id(0), tl.program_id(1), i_b, tl.load(slots_ptr + i_b).to(tl.int64), 0.0,
-            H, D, DV, K, KP, BV, NT, NS, STATE_EVICT, False,
-        )
-
-
-@triton.jit
-def _item_tile_ptrs(state_ptr, slot, item, dk, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                    BV: tl.constexpr, SPLIT: tl.constexpr):
-    """Pointers to the state tile of PERSISTENT work item ``item`` in sequence slot ``slot``."""
-    head_state = state_ptr + (slot * H + (item // SPLIT) % H) * (D * DV)
-    return _tile_ptrs(head_state, dk, item % SPLIT, DV, BV)
-
-
-@triton.jit
-def _decode_item(
-    q_ptr, k_ptr, v_ptr, q_conv_w_ptr, k_conv_w_ptr, v_conv_w_ptr,
-    q_conv_state_ptr, k_conv_state_ptr, v_conv_state_ptr, a_ptr, a_log_ptr, dt_bias_ptr, beta_ptr,
-    state_ptr, gate_ptr, norm_weight_ptr, out_ptr, counter_ptr, lower_bound, scale, eps,
-    i_p, i_h, i_b, slot, s_first,
-    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    BV: tl.constexpr, NT: tl.constexpr, NS: tl.constexpr, STATE_EVICT: tl.constexpr,
-    PREFETCHED: tl.constexpr,
-):
-    """One work item: value tiles i_p * NT ... of head i_h of sequence i_b (state row
-    ``slot``). PREFETCHED: ``s_first``, the first tile's state, was already read."""
     SPLIT: tl.constexpr = DV // (BV * NT)  # programs per head
     DIRECT: tl.constexpr = SPLIT == 1 and NT == 1  # one program and one tile per head: o stays in registers
+    i_p = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2).to(tl.int64)
+    slot = tl.load(slots_ptr + i_b).to(tl.int64)
     dk = tl.arange(0, D)
     cols = tl.arange(0, KP)
     head_state = state_ptr + (slot * H + i_h) * (D * DV)
@@ -365,14 +300,13 @@ def _decode_item(
     v_conv_state_row = v_conv_state_ptr + slot * (H * DV * (K - 1)) + i_h * (DV * (K - 1))
     q_stored, q_w = _conv_taps(q_conv_w_ptr, q_conv_state, qk_channels, cols, K)
     k_stored, k_w = _conv_taps(k_conv_w_ptr, k_conv_state, qk_channels, cols, K)
-    b0 = _tile_reads(head_state, dk, first, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT,
-                     s_first, PREFETCHED)
+    b0 = _tile_reads(head_state, dk, first, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
     if NS > 1 and NT > 1:
         b1 = _tile_reads(head_state, dk, first + 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
-                         STATE_EVICT, 0.0, False)
+                         STATE_EVICT)
     if NS > 2 and NT > 2:
         b2 = _tile_reads(head_state, dk, first + 2, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
-                         STATE_EVICT, 0.0, False)
+                         STATE_EVICT)
     # The per-head inputs of steps 2 and 4 go out with them too, so that no round trip is
     # left after the state update (with one program per head, the output gate and norm
     # weight were read only after it: one more L2 round trip per program, with its
@@ -407,7 +341,7 @@ def _decode_item(
     for t in tl.static_range(NT):
         if t > 0 and t + NS - 1 < NT:  # keep NS tiles in flight: read the one NS-1 ahead
             nxt = _tile_reads(head_state, dk, first + t + NS - 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV,
-                              BV, K, STATE_EVICT, 0.0, False)
+                              BV, K, STATE_EVICT)
             if (t + NS - 1) % NS == 0:
                 b0 = nxt
             elif (t + NS - 1) % NS == 1:
@@ -510,16 +444,6 @@ class LaunchConfig:
     #: a cap on registers per thread (CUDA only: Triton's ``maxnreg``), for more resident
     #: programs per SM at the price of spills; None: the compiler's choice
     max_registers: int | None = None
-    #: a persistent launch of this many programs per compute unit, each looping over work
-    #: items and reading the next item's state tile while it updates one (one tile per
-    #: program only); 0: one program per work item
-    persistent: int = 0
-
-    def grid(self, batch: int, heads: int, head_dim_v: int, compute_units: int) -> tuple[int, ...]:
-        items = launch_grid(batch, heads, head_dim_v, self.block_v, self.tiles_per_program)
-        if not self.persistent:
-            return items
-        return (min(items[0] * items[1] * items[2], self.persistent * compute_units),)
 
     def programs_per_head(self, head_dim_v: int) -> int:
         return head_dim_v // (self.block_v * self.tiles_per_program)
@@ -529,7 +453,6 @@ def launch_config(
     batch: int, heads: int, head_dim: int, head_dim_v: int, compute_units: int, *,
     block_v: int | None = None, tiles_per_program: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, evict_state: bool | None = None, max_registers: int | None = None,
-    persistent: int | None = None,
 ) -> LaunchConfig:
     """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
     ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, the evict-first hint when
@@ -564,14 +487,7 @@ def launch_config(
         raise ValueError(f"max_registers must be 24 to 255, got {max_registers}")
     if evict_state is None:  # on for whole-row tiles, see the module docstring
         evict_state = block_v * tiles_per_program == head_dim_v and block_v >= 64
-    persistent = persistent or 0
-    if not 0 <= persistent <= 32:
-        raise ValueError(f"persistent must be 0 to 32 programs per compute unit, got {persistent}")
-    if persistent and tiles_per_program != 1:
-        raise ValueError(f"a persistent launch takes one value tile per work item, got tiles_per_program="
-                         f"{tiles_per_program}")
-    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers,
-                        persistent)
+    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers)
 
 
 def bytes_moved(
@@ -591,8 +507,7 @@ def _constexprs(
 ) -> dict[str, int | str]:
     return {"H": heads, "D": head_dim, "DV": head_dim_v, "K": conv_kernel,
             "KP": triton.next_power_of_2(conv_kernel), "BV": config.block_v, "NT": config.tiles_per_program,
-            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else "",
-            "PERSISTENT": bool(config.persistent)}
+            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else ""}
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -603,19 +518,18 @@ _FP32_POINTERS = ("q_conv_w_ptr", "k_conv_w_ptr", "v_conv_w_ptr", "a_log_ptr", "
 def aot_signature(
     dtype: torch.dtype, heads: int = 12, head_dim: int = 128, head_dim_v: int = 128, block_v: int = 16,
     conv_kernel: int = 4, *, tiles_per_program: int = 1, num_warps: int | None = None, num_stages: int = 2,
-    evict_state: bool = False, persistent: int = 0,
+    evict_state: bool = False,
 ) -> tuple[dict[str, str], dict[str, int | str], int]:
     """(signature, constexprs, num_warps) of the kernel as ``kda_decode_fused`` launches it with
     activations and conv states in ``dtype`` and these launch choices (``launch_config``; the
     compiler's own num_stages is 1), for ``aot.compile_for_target``; K3 per-rank defaults."""
     config = launch_config(1, heads, head_dim, head_dim_v, 1, block_v=block_v, tiles_per_program=tiles_per_program,
-                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state,
-                           persistent=persistent)
+                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state)
     t = _TRITON_DTYPES[dtype]
     pointer = {"slots_ptr": "i64", "counter_ptr": "i32", **{name: "fp32" for name in _FP32_POINTERS}}
     signature = {
         arg: f"*{pointer.get(arg, t)}" if arg.endswith("_ptr") else "fp32" if arg in ("lower_bound", "scale", "eps")
-        else "i32" if arg == "num_items" else "constexpr"
+        else "constexpr"
         for arg in kda_decode_kernel.arg_names
     }
     return signature, _constexprs(heads, head_dim, head_dim_v, conv_kernel, config), config.num_warps
@@ -689,7 +603,6 @@ def kda_decode_fused(
     num_stages: int | None = None,
     evict_state: bool | None = None,
     max_registers: int | None = None,
-    persistent: int | None = None,
 ) -> Tensor:
     """One KDA decode step for B sequences, one launch; updates conv states and state in place.
 
@@ -706,9 +619,7 @@ def kda_decode_fused(
     value tiles one program updates in turn; ``num_warps``; ``num_stages``, value tiles in
     flight per program (with several tiles per program); ``evict_state``, the evict-first
     cache hint on the state stream; ``max_registers``, a register cap per thread (CUDA's
-    maxnreg; ignored elsewhere; every cap tried on an H200 was slower, BENCHMARKS.md);
-    ``persistent``, programs per compute unit of a persistent launch (0: a program per
-    work item).
+    maxnreg; ignored elsewhere; every cap tried on an H200 was slower, BENCHMARKS.md).
     """
     if not isinstance(state, Tensor) or state.dim() != 4:
         raise ValueError(f"state must be a [S, H, D, DV] tensor, got {getattr(state, 'shape', type(state).__name__)}")
@@ -755,7 +666,7 @@ def kda_decode_fused(
         _expect("out", out, (B, H, DV), (act,), device)
     config = launch_config(B, H, D, DV, _compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
                            num_warps=num_warps, num_stages=num_stages, evict_state=evict_state,
-                           max_registers=max_registers, persistent=persistent)
+                           max_registers=max_registers)
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):
         raise ValueError(
             "kda_decode_fused on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -765,14 +676,14 @@ def kda_decode_fused(
         return out
 
     counters = _counters.get(device, B * H)
-    kda_decode_kernel[config.grid(B, H, DV, _compute_units(device))](
+    kda_decode_kernel[launch_grid(B, H, DV, config.block_v, config.tiles_per_program)](
         q, k, v,
         conv_weight_q, conv_weight_k, conv_weight_v,
         conv_state_q, conv_state_k, conv_state_v,
         a, A_log, dt_bias, beta, state, slots, gate, norm_weight, out, counters,
-        float(lower_bound), float(scale), float(eps), B * H * config.programs_per_head(DV),
+        float(lower_bound), float(scale), float(eps),
         **_constexprs(H, D, DV, K, config),
-        num_warps=config.num_warps, num_stages=1,  # look-aheads are the kernel's own, none for the pipeliner
+        num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
         **({"maxnreg": config.max_registers} if config.max_registers and device.type == "cuda" else {}),
     )
     return out
@@ -807,7 +718,6 @@ def kda_decode_chain_reference(
     num_stages: int | None = None,
     evict_state: bool | None = None,
     max_registers: int | None = None,
-    persistent: int | None = None,
 ) -> Tensor:
     """The unfused chain with the repo's k3 ops, in the model's order (``kda_decode_fused``'s
     contract; the launch choices are accepted and ignored so the two are interchangeable)."""
