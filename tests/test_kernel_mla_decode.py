@@ -158,10 +158,12 @@ def test_split_kv_tensor_descriptors_only_where_the_cache_allows():
 
 
 def test_split_kv_combines_more_splits_than_one_step():
-    """70 splits: the combine takes its splits in two steps of 64; most splits are empty,
-    all of them for the empty context."""
-    q, cache, table, seq_lens, scale = case(16, 64, 8, [0, 37], block_size=16, seed=9)
-    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=70, block_n=16),
+    """300 splits: the combine takes its splits in three steps of 128 (the last one
+    partly masked). 4100 tokens fill 257 splits of 16 rows, so every step holds real
+    partials; the short context leaves most splits empty, the empty one all."""
+    assert mk._combine_constexprs(64, 300)["BLOCK_S"] == 128
+    q, cache, table, seq_lens, scale = case(16, 64, 8, [0, 37, 4100], block_size=16, seed=9)
+    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=300, block_n=16),
           reference(q, cache, table, seq_lens, scale, 64))
 
 

@@ -321,7 +321,8 @@ def _combine_splits_kernel(
     [BLOCK_S splits, BLOCK_L columns] per step: many loads in flight per program and
     B x H x L / BLOCK_L programs, so that batch 1 with hundreds of splits takes a few
     latency-bound steps (this kernel used to take one split's row per step: 132 dependent
-    round trips to L2 per program at batch 1, with only B x H = 16 programs)."""
+    round trips to L2 per program at batch 1, with only B x H = 16 programs). Block shapes:
+    :func:`_combine_constexprs`."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -416,6 +417,8 @@ class KernelLaunch:
 # Generic and prefill kernels: 4 warps; with 8, AMD's 16-row MFMA tiles are replicated
 # across more warps (AOT reports).
 _NUM_WARPS = 4
+#: the split combine: one warp (see _combine_constexprs)
+_COMBINE_WARPS = 1
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -555,9 +558,14 @@ def _kv_descriptors(kv_cache: Tensor, value_dim: int, block_n: int) -> tuple[Ten
 
 
 def _combine_constexprs(value_dim: int, num_splits: int) -> dict[str, object]:
-    # [64 splits, 64 columns] fp32 per step: 32 values per thread of 4 warps
-    return {"L": value_dim, "BLOCK_L": min(64, triton.next_power_of_2(value_dim)),
-            "BLOCK_S": min(64, triton.next_power_of_2(num_splits))}
+    """[BLOCK_S splits, BLOCK_L columns] fp32 per step, 4096 values on one warp
+    (_COMBINE_WARPS): the fastest shape of an H200 sweep (fifth session, partials in L2,
+    BENCHMARKS.md) at 16 to 256 splits, 1.6-2.6x faster than the [64, 64] steps on 4 warps
+    it replaced (batch 1, 16 heads: 128 splits 4.2 -> 2.5 us, 256 splits 6.6 -> 3.4 us;
+    batch 16, 16 splits: 7.7 -> 2.9 us)."""
+    block_s = min(128, max(32, triton.next_power_of_2(num_splits)))
+    return {"L": value_dim, "BLOCK_L": min(128, triton.next_power_of_2(value_dim), 4096 // block_s),
+            "BLOCK_S": block_s}
 
 
 def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object],
@@ -612,7 +620,7 @@ def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: t
         launches.append(launch(kernel.name, _mla_attention_kernel, ptrs, c))
     c = _combine_constexprs(value_dim, num_splits)
     ptrs = {"o_part_ptr": "fp32", "lse_part_ptr": "fp32", "o_ptr": t, "lse_ptr": "fp32"}
-    launches.append(launch("mla_decode_combine_splits", _combine_splits_kernel, ptrs, c))
+    launches.append(launch("mla_decode_combine_splits", _combine_splits_kernel, ptrs, c, _COMBINE_WARPS))
     return launches
 
 
@@ -668,8 +676,11 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int
     wave of whole programs where possible (batch 16 at 32K on 132 SMs x 2: 16 splits,
     256 programs; batch 1: 256 splits of 128 rows), more waves only where the split
     length they save is worth a program's overhead. The least cost with the fewest
-    splits wins (fewer partials). ``max_context`` is the block table's capacity, a
-    static bound (CUDA graphs); ``config`` defaults to :func:`split_kv_config`."""
+    splits wins (fewer partials). On an H200 (fifth session) each choice was the fastest
+    of the counts measured or within 3% of it (batch 1 at 32K: 256 splits 21.8 us, 128
+    21.3 us, 147 or 192 (one or two programs per SM) 25-27 us). ``max_context`` is the
+    block table's capacity, a static bound (CUDA graphs); ``config`` defaults to
+    :func:`split_kv_config`."""
     cfg = config or split_kv_config(_backend(), num_heads)
     programs = batch * triton.cdiv(num_heads, cfg.block_h)
     slots = num_sms * cfg.programs_per_sm
@@ -766,7 +777,7 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
         _combine_splits_kernel[(B, H, triton.cdiv(value_dim, c["BLOCK_L"]))](
             o_part, lse_part, o, lse,
             *o_part.stride()[:3], *lse_part.stride()[:2], *o.stride()[:2], *lse.stride(),
-            num_splits, **c, num_warps=_NUM_WARPS,
+            num_splits, **c, num_warps=_COMBINE_WARPS,
         )
     return o, lse
 
