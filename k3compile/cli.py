@@ -461,6 +461,12 @@ def generate(
 COMPILE_DTYPES = ("bfloat16", "float32")  # keys of k3compile.compiler.DTYPES (imported lazily)
 
 
+def _dcp_merges() -> tuple[str, ...]:
+    from k3compile.passes.split_mla_context import MERGES
+
+    return MERGES
+
+
 def _target_names() -> tuple[str, ...]:
     from k3compile.targets import TARGETS
 
@@ -714,6 +720,13 @@ def optimize_command(
     dcp_interleave: Annotated[
         int, typer.Option(help="Consecutive positions each DCP rank owns in turn. Example: --dcp-interleave 1")
     ] = 1,
+    dcp_merge: Annotated[
+        str,
+        typer.Option(
+            help="How DCP ranks merge their partial attentions: reduce-scatter (all-gather of LSEs, then a "
+            "reduce-scatter of rescaled outputs) or all-to-all (one collective). Example: --dcp-merge all-to-all",
+        ),
+    ] = "reduce-scatter",
     target: Annotated[
         str,
         typer.Option(
@@ -783,6 +796,7 @@ def optimize_command(
         _check_dcp(tp, dcp, dcp_interleave)
         if block_size is not None and block_size < 1:
             raise UserError(f"--block-size must be at least 1, got {block_size}")
+        _choice(dcp_merge, _dcp_merges(), "--dcp-merge", "merge")
         _choice(dtype, COMPILE_DTYPES, "--dtype", "dtype")
         _choice(target, _target_names(), "--target", "target")
         enabled, disabled = _pass_selection(enable, disable)
@@ -800,8 +814,8 @@ def optimize_command(
 
         try:
             options = CompileOptions(
-                tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=dtype, block_size=block_size,
-                enable=enabled, disable=disabled, validate=validate,
+                tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, dcp_merge=dcp_merge, target=target, dtype=dtype,
+                block_size=block_size, enable=enabled, disable=disabled, validate=validate,
             )
         except ValueError as e:
             raise UserError(str(e)) from None

@@ -30,6 +30,8 @@ class CompileOptions:
     tp: int = 1
     dcp: int = 1  # decode context parallelism (a divisor of tp), see k3compile/context_parallel.py
     dcp_interleave: int = 1
+    #: how DCP members merge partial attentions (passes/split_mla_context.py: "reduce-scatter" or "all-to-all")
+    dcp_merge: str = "reduce-scatter"
     target: str = "cpu"
     dtype: str = "bfloat16"
     block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
@@ -41,6 +43,10 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        from k3compile.passes.split_mla_context import MERGES
+
+        if self.dcp_merge not in MERGES:
+            raise ValueError(f"dcp_merge must be one of {', '.join(MERGES)}, got {self.dcp_merge!r}")
         if self.block_size is None:
             object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
 
@@ -96,8 +102,11 @@ def optimize(
     check_checkpoint_headers(model_dir, captured)
     for program in captured.programs.values():
         propagate_placements(program.graph_module, program, captured.specs, plan)
+    from k3compile.passes.split_mla_context import SplitMLAContext
+
     pipeline_options = PipelineOptions(
-        target=options.target, enable=options.enable, disable=options.disable, validate=options.validate, rtol=options.rtol
+        target=options.target, enable=options.enable, disable=options.disable, validate=options.validate,
+        rtol=options.rtol, pass_configs=((SplitMLAContext.name, SplitMLAContext.Config(merge=options.dcp_merge)),),
     )
     validator = (
         TranslationValidator(

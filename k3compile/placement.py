@@ -75,7 +75,9 @@ and its input placements; nothing is defaulted silently, and an op with no rule 
 - collectives: ``all_reduce`` P(op) -> R (op must match; R or S inputs fail);
   ``all_gather_into_tensor`` S(d) -> R (the ranks' blocks stacked along dim 0, identical
   on every rank; R -> R; P fails); ``reduce_scatter_tensor`` P -> S(0); ``wait_tensor`` is
-  the identity.
+  the identity. Over the DCP group: ``all_gather_into_tensor`` -> RankLocal,
+  ``reduce_scatter_tensor`` and ``all_to_all_single`` of RankLocal partials -> the heads'
+  TP split (S(0) of the heads-first terms, S(2) of ``k3.dcp_pack``'s rows).
 - ``k3::`` custom ops declare their rule next to their definition
   (``register_op_rules`` in ``k3compile/ops/*.py``), from a small vocabulary:
 
@@ -1212,6 +1214,18 @@ def _reduce_scatter(node: Node, bound: dict[str, Any]) -> PlacementValue:
     return Shard(0)
 
 
+def _all_to_all(node: Node, bound: dict[str, Any]) -> PlacementValue:
+    p = bound["input"].meta["placement"]
+    if bound["group_name"] != DCP_GROUP_NAME:
+        _fail(node, "all_to_all_single is placed only for the DCP merge", _input_placements(bound))
+    # The DCP merge by all-to-all (passes/split_mla_context.py): the input is k3.dcp_pack's
+    # [member, B, h, D+1], chunk k holding member k's heads; every member receives its own
+    # heads from each member, which is the TP split of the heads: Shard(2).
+    if not isinstance(p, RankLocal):
+        _fail(node, "a DCP all_to_all exchanges RankLocal partials", _input_placements(bound))
+    return Shard(2)
+
+
 def _wait(node: Node, bound: dict[str, Any]) -> PlacementValue:
     return bound["tensor"].meta["placement"]
 
@@ -1221,7 +1235,8 @@ def _broadcast(node: Node, bound: dict[str, Any]) -> PlacementValue:
 
 
 for _name, _fn in (("all_reduce", _all_reduce), ("all_gather_into_tensor", _all_gather),
-                   ("reduce_scatter_tensor", _reduce_scatter), ("broadcast", _broadcast)):
+                   ("reduce_scatter_tensor", _reduce_scatter), ("all_to_all_single", _all_to_all),
+                   ("broadcast", _broadcast)):
     if hasattr(_c10d, _name):
         _ATEN[getattr(_c10d, _name)] = _AtenRule(_fn, "collective")
 _ATEN[_c10d.wait_tensor] = _AtenRule(_wait, "free")

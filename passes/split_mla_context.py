@@ -11,9 +11,16 @@ member's positions; the pass rewrites each decode MLA attention node into:
    D*h heads of its group),
 2. attention of those heads over the member's own positions (``k3.dcp_local_lengths``
    turns the global context lengths into its share), giving a partial output and LSE,
-3. the merge: an all-gather of the LSEs, each member scaling its partial by
-   ``exp(lse_k - logsumexp_j lse_j)`` (``k3.dcp_rescale``, heads first), and a
-   reduce-scatter that sums the terms and hands every member its own h heads back.
+3. the merge, by one of two exchanges (``Config.merge``):
+
+   - ``"reduce-scatter"`` (default): an all-gather of the LSEs, each member scaling its
+     partial by ``exp(lse_k - logsumexp_j lse_j)`` (``k3.dcp_rescale``, heads first), and
+     a reduce-scatter that sums the terms and hands every member its own h heads back;
+   - ``"all-to-all"``: one collective instead of two. Each member packs its partial
+     output with its LSE per (sequence, head), member k's heads in chunk k
+     (``k3.dcp_pack``); an all-to-all sends chunk k to member k; each member merges the D
+     partials of its own heads (``k3.dcp_merge``). The same bytes cross the links (the
+     partials, fp32), plus one LSE column; the LSE all-gather and the output cast go.
 
 A member that owns no position of a sequence yet (length <= its first position) has an
 empty attention: LSE -inf, weight 0. The merge is exact up to rounding (softmax over a
@@ -41,6 +48,15 @@ After (``--dcp 2``)::
     %permute_1 / %_to_copy                                                     (s, 12, 32) S(1)
     %einsum_3     = aten.einsum('thl,hdl->thd', [%_to_copy, %slice_10])
 
+After, with ``merge="all-to-all"``, the merge part::
+
+    %getitem / %getitem_1                          (o, lse): (s, 24, 32), (s, 24)  L
+    %dcp_pack     = k3.dcp_pack(%getitem, %getitem_1, 2)                      (2, s, 12, 33) L
+    %all_to_all_single = _c10d_functional.all_to_all_single(%dcp_pack, [1, 1], [1, 1], 'k3_dcp')
+    %wait_tensor_1                                                            (2, s, 12, 33) S(2)
+    %dcp_merge    = k3.dcp_merge(%wait_tensor_1, torch.float32)                 (s, 12, 32) S(1)
+    %einsum_3     = aten.einsum('thl,hdl->thd', [%dcp_merge, %slice_10])
+
 (L: RankLocal, a value of this rank alone.) The cache write is not rewritten: its slot
 mapping input now holds this rank's local slot for the tokens it owns and the scratch
 slot for the others, and ``block_table`` this rank's blocks (the layout's contract with
@@ -60,6 +76,8 @@ is not built). Sets ``gm.meta["context_parallel"] = (dcp, interleave)``.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.fx import GraphModule, Node
@@ -74,6 +92,8 @@ aten, k3, c10d = torch.ops.aten, torch.ops.k3, torch.ops._c10d_functional
 POSITION_OFFSET = "context_parallel.position_offset"
 
 _DECODE_OPS = (k3.mla_decode.default, k3.mla_decode_split_kv.default)
+#: the merge exchanges SplitMLAContext.Config accepts
+MERGES = ("reduce-scatter", "all-to-all")
 
 
 def _stack(node: Node) -> dict:
@@ -85,6 +105,15 @@ class SplitMLAContext(GraphPass):
     the module docstring)."""
 
     name = "split_mla_context"
+
+    @dataclass(frozen=True)
+    class Config:
+        #: how the members' partial attentions are merged (see the module docstring)
+        merge: Literal["reduce-scatter", "all-to-all"] = "reduce-scatter"
+
+        def __post_init__(self) -> None:
+            if self.merge not in MERGES:
+                raise ValueError(f"split_mla_context: merge must be one of {', '.join(MERGES)}, got {self.merge!r}")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)
@@ -140,11 +169,17 @@ class SplitMLAContext(GraphPass):
             local = graph.call_function(node.target, (q_all, kv_cache, block_table, local_lengths, scale, value_dim))
             o_part = graph.call_function(operator.getitem, (local, 0))
             lse_part = graph.call_function(operator.getitem, (local, 1))
-            lse_all = collective(c10d.all_gather_into_tensor.default, lse_part, dcp, DCP_GROUP_NAME)
-            term = graph.call_function(k3.dcp_rescale.default, (o_part, lse_part, lse_all, dcp))
-            mine = collective(c10d.reduce_scatter_tensor.default, term, "sum", dcp, DCP_GROUP_NAME)
-            mine = graph.call_function(aten.permute.default, (mine, [1, 0, 2]))
-            out = graph.call_function(aten._to_copy.default, (mine,), {"dtype": q_val.dtype})
+            if self.config.merge == "all-to-all":
+                packed = graph.call_function(k3.dcp_pack.default, (o_part, lse_part, dcp))
+                chunks = [1] * dcp  # one member per chunk of dim 0
+                received = collective(c10d.all_to_all_single.default, packed, chunks, chunks, DCP_GROUP_NAME)
+                out = graph.call_function(k3.dcp_merge.default, (received, q_val.dtype))
+            else:
+                lse_all = collective(c10d.all_gather_into_tensor.default, lse_part, dcp, DCP_GROUP_NAME)
+                term = graph.call_function(k3.dcp_rescale.default, (o_part, lse_part, lse_all, dcp))
+                mine = collective(c10d.reduce_scatter_tensor.default, term, "sum", dcp, DCP_GROUP_NAME)
+                mine = graph.call_function(aten.permute.default, (mine, [1, 0, 2]))
+                out = graph.call_function(aten._to_copy.default, (mine,), {"dtype": q_val.dtype})
         for new in graph.nodes:
             if new not in existing:
                 new.meta["nn_module_stack"] = _stack(node)
@@ -156,13 +191,13 @@ class SplitMLAContext(GraphPass):
 
         cache_val = kv_cache.meta["val"]
         stats = {
-            "collectives_added": 3,
+            "collectives_added": 2 if self.config.merge == "all-to-all" else 3,
             # per token of history per MLA layer: this rank no longer stores (dcp-1)/dcp of it
             "kv_bytes_per_token_removed": cache_val.shape[-1] * cache_val.dtype.itemsize * (dcp - 1) / dcp,
         }
         detail = (
             f"{_module(node)}: {heads} heads gathered to {dcp * heads} over the DCP group, attention over this "
-            f"rank's 1/{dcp} of the positions, LSE merge by reduce-scatter"
+            f"rank's 1/{dcp} of the positions, LSE merge by {self.config.merge}"
         )
         return Rewrite(node.name, detail, stats)
 

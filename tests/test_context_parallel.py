@@ -62,9 +62,11 @@ def test_plan_and_groups_check_dcp():
 @pytest.mark.parametrize("dcp,interleave", [(2, 1), (4, 2)])
 def test_lse_merge_of_disjoint_positions_equals_full_attention(dcp, interleave):
     """Each member attends to its own positions of the same cache (as a zero-length
-    context when it owns none); rescaled terms summed over members = full attention."""
+    context when it owns none); rescaled terms summed over members = full attention, and
+    so does each member's merge of its own heads from every member's packed rows (the
+    all-to-all merge)."""
     gen = torch.Generator().manual_seed(0)
-    B, H, W, V, bs = 4, 3, 20, 16, 4
+    B, H, W, V, bs = 4, 4, 20, 16, 4
     lens = torch.tensor([1, 2, 9, 13], dtype=torch.int32)  # 1 and 2: members without a position
     q = torch.randn(B, H, W, generator=gen)
     cache = torch.randn(16, bs, W, generator=gen)
@@ -85,6 +87,13 @@ def test_lse_merge_of_disjoint_positions_equals_full_attention(dcp, interleave):
     assert any(torch.isinf(lse).any() for _, lse in parts)  # some member owned nothing of a sequence
     torch.testing.assert_close(merged.permute(1, 0, 2), full_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.logsumexp(lse_all.view(dcp, B, H), 0), full_lse)
+    packs = [k3.dcp_pack(o, lse, dcp) for o, lse in parts]
+    h = H // dcp
+    for m in range(dcp):
+        received = torch.stack([pack[m] for pack in packs])  # the all-to-all's output on member m
+        mine = k3.dcp_merge(received, torch.bfloat16)
+        assert mine.dtype == torch.bfloat16 and mine.shape == (B, h, V)
+        torch.testing.assert_close(mine, full_o[:, m * h : (m + 1) * h].bfloat16())
 
 
 def test_sequence_table_stores_only_owned_positions():
@@ -134,12 +143,13 @@ def test_localize_step_moves_owned_history_and_maps_new_tokens():
 # ----------------------------------------------------------------------------- the pass
 
 
-def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: bool = False):
+def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: bool = False,
+             merge: str = "reduce-scatter"):
     """Float32 artifact; when validating, only the DCP pass runs (validation on gloo ranks
     after every pass is what makes these tests slow)."""
     others = ("remove_noops", "dedup_replicated_linear", "sink_copies") if validate else ()
-    options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dtype="float32", validate=validate,
-                             disable=others)
+    options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dcp_merge=merge, dtype="float32",
+                             validate=validate, disable=others)
     return optimize(model_dir, out, options, overwrite=True)
 
 
@@ -202,13 +212,41 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_pat
 
 
 @pytest.mark.slow
+def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_path):
+    """merge="all-to-all": one collective less per MLA layer; TP2/DCP2 validated on gloo
+    ranks and run like DCP1 (TP4/DCP4 with it: the next test)."""
+    model = model_dirs("tiny")
+    result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True, merge="all-to-all")
+    n_mla = sum(kind == "mla" for kind in result.captured.config.layer_kinds)
+    decode = next(r for r in result.pipeline.records if r.pass_name == "split_mla_context" and r.phase == "decode")
+    assert decode.result.stats["collectives_added"] == 2 * n_mla
+    assert all("LSE merge by all-to-all" in r.detail for r in decode.result.rewrites)
+    assert decode.report.ok and decode.report.max_error < 1e-5
+
+    program = result.captured.programs["decode"]
+    gm = program.graph_module
+    propagate_placements(gm, program, result.captured.specs, ParallelPlan(2, 0, dcp=2))
+    exchanges = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+    merged = [n for n in gm.graph.nodes if n.target is k3.dcp_merge.default]
+    assert len(exchanges) == len(merged) == n_mla
+    assert all(n.args[0].meta["placement"] == RankLocal() and n.meta["placement"] == Shard(2) for n in exchanges)
+    assert all(n.meta["placement"] == Shard(1) for n in merged)  # this rank's own heads, as without DCP
+    assert not any(n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default for n in gm.graph.nodes)
+
+    base = _compile(model, tmp_path / "dcp1", tp=2, dcp=1).out_dir
+    _check_like_dcp1(run_ranks(_rank_run, 2, base), run_ranks(_rank_run, 2, result.out_dir), dcp=2)
+
+
+@pytest.mark.slow
 def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(model_dirs, tmp_path):
+    """DCP4 with either merge (prompts of 1 and 2 tokens: members that own nothing)."""
     model = model_dirs("tiny")
     base = run_ranks(_rank_run, 4, _compile(model, tmp_path / "dcp1", tp=4, dcp=1).out_dir)
     dcp2 = _compile(model, tmp_path / "dcp2", tp=4, dcp=2, interleave=2).out_dir
     _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp2), dcp=2)
-    dcp4 = _compile(model, tmp_path / "dcp4", tp=4, dcp=4).out_dir
-    _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp4), dcp=4)
+    for merge in ("reduce-scatter", "all-to-all"):
+        dcp4 = _compile(model, tmp_path / f"dcp4-{merge}", tp=4, dcp=4, merge=merge).out_dir
+        _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp4), dcp=4)
 
 
 def test_pass_is_required_by_dcp_and_skips_at_dcp1(model_dirs, tmp_path):
@@ -262,19 +300,49 @@ def test_dcp_rescale_triton_kernel_matches_the_reference():
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
-def test_dcp_rescale_kernel_compiles_for_every_gpu_target():
-    """K3 DCP8 shapes (bf16 o, 512 values): within LDS, no spills, full occupancy."""
+def test_dcp_pack_and_merge_triton_kernels_match_the_references():
+    """The GPU kernels of k3::dcp_pack and k3::dcp_merge (under TRITON_INTERPRET here)
+    against the ops' torch references: members that own nothing (lse -inf), a row that
+    no member has (merged to 0), a value width that is not a power of two."""
+    from k3compile.runtime.kernels.dcp_merge import dcp_merge, dcp_pack
+
+    gen = torch.Generator().manual_seed(1)
+    for dcp, B, h, D in ((2, 3, 2, 20), (4, 2, 3, 16)):
+        o = torch.randn(B, dcp * h, D, generator=gen).bfloat16()
+        lse = torch.randn(B, dcp * h, generator=gen)
+        lse[1, :h] = float("-inf")
+        packed = dcp_pack(o, lse, dcp)
+        assert packed.shape == (dcp, B, h, D + 1) and packed.dtype == torch.float32
+        assert torch.equal(packed, k3.dcp_pack(o, lse, dcp))  # a copy: exact
+        received = torch.randn(dcp, B, h, D + 1, generator=gen)
+        received[0, 0, :, D] = float("-inf")  # sequence 0: member 0 owns nothing
+        received[:, 1, 0, D] = float("-inf")  # sequence 1, head 0: no member owns anything
+        got = dcp_merge(received, torch.bfloat16)
+        want = k3.dcp_merge(received, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and not got.isnan().any() and torch.equal(got[1, 0], torch.zeros(D).bfloat16())
+        torch.testing.assert_close(got, want)
+
+
+def test_dcp_merge_kernels_compile_for_every_gpu_target():
+    """k3::dcp_rescale, dcp_pack and dcp_merge at K3 DCP8 shapes (bf16 o, 512 values):
+    within LDS, no spills, at least one program per CU."""
     from k3compile.runtime.kernels import aot
-    from k3compile.runtime.kernels.dcp_merge import _dcp_rescale_kernel
+    from k3compile.runtime.kernels.dcp_merge import _dcp_merge_kernel, _dcp_pack_kernel, _dcp_rescale_kernel
 
     signature = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "lse_all_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32",
                  "H": "i32", "D": "i32", "DCP": "constexpr", "BLOCK_D": "constexpr"}
     targets = ("gfx950", "gfx942", "sm_90")
-    reports = aot.compile_many([aot.CompileRequest(_dcp_rescale_kernel, signature, {"DCP": 8, "BLOCK_D": 512}, t)
-                                for t in targets])
-    for target, report in zip(targets, reports):
-        assert report.fits and report.occupancy >= 1, (target, report)
-        assert report.spills in (0, None), (target, report)
+    pack = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "H": "i32", "D": "i32",
+            "DCP": "constexpr", "BLOCK_D": "constexpr"}
+    merge = {"rows_ptr": "*fp32", "out_ptr": "*bf16", "B": "i32", "h": "i32", "D": "i32", "DCP": "constexpr",
+             "BLOCK_D": "constexpr"}
+    constexprs = {"DCP": 8, "BLOCK_D": 512}
+    reports = aot.compile_many([aot.CompileRequest(kernel, sig, constexprs, t) for t in targets
+                                for kernel, sig in ((_dcp_rescale_kernel, signature), (_dcp_pack_kernel, pack),
+                                                    (_dcp_merge_kernel, merge))])
+    for report in reports:
+        assert report.fits and report.occupancy >= 1, report
+        assert report.spills in (0, None), report
 
 
 def test_pad_heads_runs_after_dcp_on_the_gathered_heads(model_dirs, tmp_path):
