@@ -320,18 +320,24 @@ K3_HEADS, K3_HEAD_DIM = 12, 128  # per rank at TP8
 @pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
 def test_launch_plan_fills_the_gpu(target: str) -> None:
     """Workgroups per launch at K3 per-rank shapes: batch 1 still launches 96 (one per value
-    tile of 16); wider tiles (up to MAX_BLOCK_V, the fastest on an H200) only once the
-    batch gives every CU two programs."""
+    tile of 16); a head's whole row per program (the fastest on an H200 from batch 8) once
+    the batch has half as many heads as CUs; in between, narrower tiles give every CU two
+    programs."""
     units = aot.TARGETS[target].compute_units
-    for batch in (1, 8, 64, 256):
+    for batch in (1, 2, 4, 8, 16, 64, 256):
         bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
         programs = np.prod(kda.launch_grid(batch, K3_HEADS, K3_HEAD_DIM, bv))
         assert programs == batch * K3_HEADS * K3_HEAD_DIM // bv
+        if 2 * batch * K3_HEADS >= units:
+            assert bv == kda.MAX_BLOCK_V == K3_HEAD_DIM, (batch, bv)
+            continue
         assert programs >= 2 * units or bv == kda.MIN_BLOCK_V, (batch, bv, programs)
         if bv < kda.MAX_BLOCK_V:  # the next wider tile would have left CUs without a second program
             assert programs // 2 < 2 * units
     assert kda.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
-    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == kda.MAX_BLOCK_V == 128
+    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == 128
+    if target == "sm_90":
+        assert kda.choose_block_v(8, K3_HEADS, K3_HEAD_DIM, units) == 128  # 96 heads, 132 SMs
 
 
 @pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
@@ -339,13 +345,17 @@ def test_default_launch_config(target: str) -> None:
     """The launcher's defaults at K3 shapes: the value tile above, one tile per program (the
     H200 sweep found no gain in more), warps for ~32 state values per thread capped at 4
     (a 64-wide tile on 8 warps was 1.4x slower), the evict-first hint only on a head's
-    whole 128-wide row (faster there, costs registers on narrow tiles)."""
+    whole 128-wide row while the heads give fewer than two programs per CU (faster there on
+    an H200, slower from batch 64; costs registers on narrow tiles)."""
     units = aot.TARGETS[target].compute_units
     for batch in (1, 8, 64, 256):
         config = kda.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units)
         bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
+        evict = bv == K3_HEAD_DIM and batch * K3_HEADS < 2 * units
         assert config == kda.LaunchConfig(block_v=bv, tiles_per_program=kda.MAX_TILES_PER_PROGRAM, num_warps=min(4, bv // 8),
-                                          num_stages=1, evict_state=bv == K3_HEAD_DIM)
+                                          num_stages=1, evict_state=evict)
+        if target == "sm_90":
+            assert config.evict_state == (batch == 8), batch  # whole rows from batch 8, hint below 22 sequences
         assert config.programs_per_head(K3_HEAD_DIM) == K3_HEAD_DIM // bv
     assert kda.launch_config(1, 2, 16, 16, units).evict_state is False  # a whole row, but only 16 wide
     assert kda.launch_config(256, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, evict_state=False).evict_state is False

@@ -62,17 +62,21 @@ input and v conv state) go out together with the q/k conv reads, pinned there by
 (the compiler would otherwise sink them below the conv math, which waits for the conv reads:
 two round trips in a row instead of one). ``evict_state`` puts an evict-first cache hint on
 the state stream (touched once per step). By default it is on only when one program takes
-a head's whole row (tile 64 or wider): there it was 4% faster at batch 64 on an H200 (34.6
-vs 36.1 us at tile 128), while on narrow tiles its cache policy costs registers (value tile
-32, 4 warps: 80 instead of 72, 24 instead of 28 resident warps per SM) and the data it
-would protect in L2 (weights, activations) is touched by every program, so LRU keeps it
-anyway.
+a head's whole row (tile 64 or wider) and the heads fit in fewer than two programs per CU:
+on an H200 it made batch 8 faster (whole rows, 96 programs: 7.4-7.6 against 7.9 us), but
+since the gate and norm weight are read with the state (fifth session) it made batch 64
+and 256 slower (34.2 / 118.3 against 33.7 / 114.0 us; in the fourth session, with those
+reads after the update, it had been 4% faster there). On narrow tiles its cache policy
+costs registers (value tile 32, 4 warps: 80 instead of 72, 24 instead of 28 resident
+warps per SM) and the data it would protect in L2 (weights, activations) is touched by
+every program, so LRU keeps it anyway.
 
-Launch choices (``launch_config``): ``block_v`` (``choose_block_v``: the widest tile up to
-``MAX_BLOCK_V`` that still gives two programs per CU), ``tiles_per_program``
+Launch choices (``launch_config``): ``block_v`` (``choose_block_v``: a head's whole row once
+the batch has half as many heads as CUs, else the widest tile that still gives two programs
+per CU), ``tiles_per_program``
 (``choose_tiles_per_program``, capped at ``MAX_TILES_PER_PROGRAM``), ``num_warps``
-(``num_warps_for``), ``num_stages``, ``evict_state`` (on for whole-row tiles of 64 or more)
-and ``max_registers``; ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
+(``num_warps_for``), ``num_stages``, ``evict_state`` (on for whole-row tiles of 64 or more
+while the heads give fewer than two programs per CU) and ``max_registers``; ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
 
 Bytes per step (``bytes_moved``), the floor a memory-bound kernel cannot beat:
 fp32 state read + written once, ``2 * B * H * D * DV * 4`` (1.5 MiB per sequence at K3 per
@@ -392,18 +396,21 @@ def launch_grid(
 
 
 def choose_block_v(batch: int, heads: int, head_dim_v: int, compute_units: int, waves: int = 2) -> int:
-    """Widest power-of-two value tile up to ``MAX_BLOCK_V`` that still gives ``waves``
-    programs per compute unit.
+    """A head's whole row (up to ``MAX_BLOCK_V``) per program once the batch has at least
+    half as many heads as there are compute units; below that, the widest power-of-two
+    tile that still gives ``waves`` programs per compute unit (floor ``MIN_BLOCK_V``).
 
-    Narrower tiles keep small batches from leaving CUs idle. Wider ones recompute the
-    per-head q/k work fewer times. On an H200 (benchmarks/kda_decode.py, this kernel, 4
-    warps) the whole 128-wide row per program was the fastest at batch 64 and 256 (with
-    the evict-first hint that launch_config then adds: 34.6-34.9 / 120.6-120.8 us against
-    36.3 / 122.3-122.6 us at BV = 64 and 39.3 / 138.2 us at BV = 32); on 8 warps 64 and 128
-    were 1.4-2x slower. Floor ``MIN_BLOCK_V``. H=12, DV=128 on 132 SMs: batch 1 -> 16,
-    8 -> 32, 16 -> 64, 64+ -> 128.
+    One program per head row needs no arrival counter and no re-read of the row for the
+    norm (two round trips less per program) and convolves q and k once per head: on an
+    H200 (benchmarks/kda_decode.py, fifth session) it was the fastest tile from batch 8
+    (96 programs: 7.7 us against 8.5-8.9 at tiles 16-64) and tied with tile 64 at batch 64
+    (34.2 us); at batch 256 tile 64 was 2% faster (116.0 against 118.1 us). At batch 1 its
+    12 programs leave the GPU idle: tile 16 (96 programs) 5.1 us against 5.6. H=12,
+    DV=128 on 132 SMs: batch 1 -> 16, 8 and more -> 128.
     """
     bv = min(head_dim_v, MAX_BLOCK_V)
+    if 2 * batch * heads >= compute_units:
+        return bv
     while bv > MIN_BLOCK_V and batch * heads * (head_dim_v // bv) < waves * compute_units:
         bv //= 2
     return bv
@@ -456,8 +463,9 @@ def launch_config(
 ) -> LaunchConfig:
     """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
     ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, the evict-first hint when
-    a program takes a head's whole row of 64 or more values, no register cap). Raises
-    ValueError on a choice the kernel cannot run.
+    a program takes a head's whole row of 64 or more values and the heads give fewer than
+    two programs per CU (module docstring), no register cap). Raises ValueError on a
+    choice the kernel cannot run.
 
     ``num_stages``: how many of its value tiles a program has in flight, each in its own
     registers: the first ``num_stages`` are read with the conv inputs, and tile t+num_stages-1
@@ -485,8 +493,9 @@ def launch_config(
     num_stages = min(num_stages, tiles_per_program)
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 24 to 255, got {max_registers}")
-    if evict_state is None:  # on for whole-row tiles, see the module docstring
-        evict_state = block_v * tiles_per_program == head_dim_v and block_v >= 64
+    if evict_state is None:  # on for whole-row tiles of small batches, see the module docstring
+        whole_rows = block_v * tiles_per_program == head_dim_v and block_v >= 64
+        evict_state = whole_rows and batch * heads < 2 * compute_units
     return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers)
 
 
