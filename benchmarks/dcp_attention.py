@@ -9,16 +9,18 @@ the passes emit it (passes/split_mla_context.py, then passes/pad_attention_heads
 - DCP1: q [B, 12, 576] padded to 16 heads, the split-KV kernel over the whole context,
   the 12 real heads narrowed back.
 - DCP2: all-gather of q over the two ranks ([B, 24, 576]), padded to 32 heads, the
-  split-KV kernel over this rank's half of the positions, narrowed to 24; all-gather of
-  the LSEs, ``k3.dcp_rescale`` (its Triton kernel), reduce-scatter back to this rank's
-  12 heads (NCCL). The local context lengths are computed once per step in the graph
-  (shared by all MLA layers), so outside the timed attention.
+  split-KV kernel over this rank's half of the positions, narrowed to 24; then the merge
+  back to this rank's 12 heads (NCCL), either way the pass can emit it:
+  ``reduce-scatter``: all-gather of the LSEs, ``k3.dcp_rescale`` (its Triton kernel),
+  reduce-scatter; ``all-to-all``: ``k3.dcp_pack``, one all-to-all, ``k3.dcp_merge``.
+  The local context lengths are computed once per step in the graph (shared by all MLA
+  layers), so outside the timed attention.
 
 1. Correctness first (ragged contexts, one shorter than the DCP size): the DCP2 output
-   of each rank's heads against the fp32 reference over the whole context.
-2. Copy bandwidth (eager device copy) and the collectives alone (the three NCCL calls of
-   one DCP2 attention, under a CUDA graph): the floor of DCP2 is this rank's KV bytes
-   over the copy bandwidth plus the collectives' time.
+   of each rank's heads, both merges, against the fp32 reference over the whole context.
+2. Copy bandwidth (eager device copy) and each merge's collectives alone (the NCCL calls
+   of one DCP2 attention, under a CUDA graph): the floor of DCP2 is this rank's KV bytes
+   over the copy bandwidth plus the faster merge's collectives.
 3. Each variant captured in a CUDA graph (several layers' worth of distinct caches so
    the KV does not stay in L2), replayed on both ranks together; time per attention =
    median graph time / calls; the slower rank is reported.
@@ -63,22 +65,34 @@ def dcp1_attention(q, cache, table, lens):
     return padded_attention(q, cache, table, lens, 16)[0]
 
 
-def dcp2_attention(q, cache, table, local_lens):
+def dcp2_attention(q, cache, table, local_lens, merge: str = "reduce-scatter"):
     """split_mla_context's rewrite (then pad to 32 heads): this rank's 12 heads [B, 12, 512].
     ``local_lens`` (k3.dcp_local_lengths) is computed once per step in the graph, shared
     by every MLA layer, so it is not part of one layer's attention."""
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(q, DCP, DCP_GROUP_NAME))
     q_all = gathered.view(DCP, -1, HEADS, WIDTH).permute(1, 0, 2, 3).reshape(-1, DCP * HEADS, WIDTH)
     o, lse = padded_attention(q_all, cache, table, local_lens, 32)
+    if merge == "all-to-all":
+        packed = k3.dcp_pack(o, lse, DCP)
+        received = c10d.wait_tensor(c10d.all_to_all_single(packed, [1] * DCP, [1] * DCP, DCP_GROUP_NAME))
+        return k3.dcp_merge(received, q.dtype)
     lse_all = c10d.wait_tensor(c10d.all_gather_into_tensor(lse, DCP, DCP_GROUP_NAME))
     term = k3.dcp_rescale(o, lse, lse_all, DCP)
     mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(term, "sum", DCP, DCP_GROUP_NAME))
     return mine.permute(1, 0, 2).to(q.dtype)
 
 
-def collectives_only(q, lse, term):
+def collectives_only(q, merge: str):
+    """The NCCL calls of one DCP2 attention with ``merge``, on buffers of their sizes."""
+    batch = q.shape[0]
     c10d.wait_tensor(c10d.all_gather_into_tensor(q, DCP, DCP_GROUP_NAME))
-    c10d.wait_tensor(c10d.all_gather_into_tensor(lse, DCP, DCP_GROUP_NAME))
+    if merge == "all-to-all":
+        packed = torch.zeros(DCP, batch, HEADS, LATENT + 1, device="cuda")
+        c10d.wait_tensor(c10d.all_to_all_single(packed, [1] * DCP, [1] * DCP, DCP_GROUP_NAME))
+        return
+    c10d.wait_tensor(c10d.all_gather_into_tensor(torch.zeros(batch, DCP * HEADS, device="cuda"), DCP,
+                                                 DCP_GROUP_NAME))
+    term = torch.zeros(DCP * HEADS, batch, LATENT, device="cuda")
     c10d.wait_tensor(c10d.reduce_scatter_tensor(term, "sum", DCP, DCP_GROUP_NAME))
 
 
@@ -103,7 +117,7 @@ def caches_for(lens: list[int], layout: ContextLayout | None, gen: torch.Generat
     return out, table
 
 
-def check(rank: int, offset: torch.Tensor) -> float:
+def check(rank: int, offset: torch.Tensor, merge: str) -> float:
     lens = [1, 2, 3000, 4097]
     gen = torch.Generator(device="cuda").manual_seed(1)
     (full,), table = caches_for(lens, None, gen, 1)
@@ -112,11 +126,11 @@ def check(rank: int, offset: torch.Tensor) -> float:
     qgen = torch.Generator(device="cuda").manual_seed(7 + rank)
     q = torch.randn(len(lens), HEADS, WIDTH, generator=qgen, device="cuda").bfloat16()
     glens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = dcp2_attention(q, mine, local_table, k3.dcp_local_lengths(glens, offset, DCP, 1))
+    out = dcp2_attention(q, mine, local_table, k3.dcp_local_lengths(glens, offset, DCP, 1), merge)
     ref, _ = mla_decode_reference(q.float(), full.float(), table, glens, SCALE, LATENT)
     err = (out.float() - ref.float()).abs().max().item()
     if err > 2e-2:
-        raise SystemExit(f"rank {rank}: DCP2 attention differs from the reference by {err}")
+        raise SystemExit(f"rank {rank}: DCP2 attention ({merge} merge) differs from the reference by {err}")
     return err
 
 
@@ -133,7 +147,8 @@ def main() -> None:
     layout = ContextLayout.of(plan)
     offset = torch.tensor(layout.position_offset, device="cuda")
 
-    err = check(rank, offset)
+    merges = ("reduce-scatter", "all-to-all")
+    err = max(check(rank, offset, merge) for merge in merges)
     bw = copy_bandwidth(2 * 2**30, 20)
     rows = []
     for batch in (1, 16):
@@ -149,27 +164,29 @@ def main() -> None:
             del full
             mine, local_table = caches_for(lens, layout, gen, copies)
             local_lens = k3.dcp_local_lengths(glens, offset, DCP, 1)
-            t2 = graph_time([lambda c=c: dcp2_attention(q, c, local_table, local_lens) for c in mine], args.repeats)
+            t2 = [graph_time([lambda c=c, m=m: dcp2_attention(q, c, local_table, local_lens, m) for c in mine],
+                             args.repeats) for m in merges]
             del mine
-            lse = torch.zeros(batch, DCP * HEADS, device="cuda")
-            term = torch.zeros(DCP * HEADS, batch, LATENT, device="cuda")
-            tc = graph_time([lambda: collectives_only(q, lse, term)] * 4, args.repeats)
-            times = torch.tensor([t1, t2, tc], device="cuda")
+            tc = [graph_time([lambda m=m: collectives_only(q, m)] * 4, args.repeats) for m in merges]
+            times = torch.tensor([t1, *t2, *tc], device="cuda")
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slower rank sets the step time
-            t1, t2, tc = times.tolist()
-            floor = (kv_bytes / DCP) / bw + tc
-            rows.append({"batch": batch, "context": context, "dcp1_us": t1 * 1e6, "dcp2_us": t2 * 1e6,
-                         "ratio": t2 / t1, "collectives_us": tc * 1e6, "dcp2_floor_us": floor * 1e6,
-                         "dcp1_floor_us": kv_bytes / bw * 1e6, "copies": copies})
+            t1, t2_rs, t2_a2a, tc_rs, tc_a2a = times.tolist()
+            floor = (kv_bytes / DCP) / bw + min(tc_rs, tc_a2a)
+            rows.append({"batch": batch, "context": context, "dcp1_us": t1 * 1e6, "dcp2_us": t2_rs * 1e6,
+                         "ratio": t2_rs / t1, "collectives_us": tc_rs * 1e6, "dcp2_a2a_us": t2_a2a * 1e6,
+                         "ratio_a2a": t2_a2a / t1, "collectives_a2a_us": tc_a2a * 1e6,
+                         "dcp2_floor_us": floor * 1e6, "dcp1_floor_us": kv_bytes / bw * 1e6, "copies": copies})
             torch.cuda.empty_cache()
     if rank == 0:
         print(f"correctness: max |DCP2 - fp32 reference| = {err:.2e}; copy bandwidth {bw / 1e12:.2f} TB/s")
-        print("| batch | context | DCP1 (us) | DCP1 floor (us) | DCP2 (us) | DCP2 / DCP1 | collectives (us) "
-              "| DCP2 floor (us) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| batch | context | DCP1 (us) | DCP1 floor (us) | DCP2 reduce-scatter (us) | / DCP1 | its collectives "
+              "(us) | DCP2 all-to-all (us) | / DCP1 | its collectives (us) | DCP2 floor (us) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             print(f"| {r['batch']} | {r['context'] // 1024}K | {r['dcp1_us']:.1f} | {r['dcp1_floor_us']:.1f} | "
-                  f"{r['dcp2_us']:.1f} | **{r['ratio']:.2f}x** | {r['collectives_us']:.1f} | {r['dcp2_floor_us']:.1f} |")
+                  f"{r['dcp2_us']:.1f} | **{r['ratio']:.2f}x** | {r['collectives_us']:.1f} | "
+                  f"{r['dcp2_a2a_us']:.1f} | **{r['ratio_a2a']:.2f}x** | {r['collectives_a2a_us']:.1f} | "
+                  f"{r['dcp2_floor_us']:.1f} |")
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "dcp_attention.json").write_text(json.dumps(
             {"rows": rows, "copy_bandwidth": bw, "max_error": err, "gpu": torch.cuda.get_device_name()}, indent=1))

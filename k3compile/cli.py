@@ -723,10 +723,10 @@ def optimize_command(
     dcp_merge: Annotated[
         str,
         typer.Option(
-            help="How DCP ranks merge their partial attentions: reduce-scatter (all-gather of LSEs, then a "
-            "reduce-scatter of rescaled outputs) or all-to-all (one collective). Example: --dcp-merge all-to-all",
+            help="How DCP ranks merge their partial attentions: all-to-all (one collective) or reduce-scatter "
+            "(all-gather of LSEs, then a reduce-scatter of rescaled outputs). Example: --dcp-merge all-to-all",
         ),
-    ] = "reduce-scatter",
+    ] = "all-to-all",
     target: Annotated[
         str,
         typer.Option(

@@ -31,7 +31,7 @@ class CompileOptions:
     dcp: int = 1  # decode context parallelism (a divisor of tp), see k3compile/context_parallel.py
     dcp_interleave: int = 1
     #: how DCP members merge partial attentions (passes/split_mla_context.py: "reduce-scatter" or "all-to-all")
-    dcp_merge: str = "reduce-scatter"
+    dcp_merge: str = "all-to-all"
     target: str = "cpu"
     dtype: str = "bfloat16"
     block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)

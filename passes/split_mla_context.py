@@ -13,14 +13,16 @@ member's positions; the pass rewrites each decode MLA attention node into:
    turns the global context lengths into its share), giving a partial output and LSE,
 3. the merge, by one of two exchanges (``Config.merge``):
 
-   - ``"reduce-scatter"`` (default): an all-gather of the LSEs, each member scaling its
+   - ``"reduce-scatter"``: an all-gather of the LSEs, each member scaling its
      partial by ``exp(lse_k - logsumexp_j lse_j)`` (``k3.dcp_rescale``, heads first), and
      a reduce-scatter that sums the terms and hands every member its own h heads back;
-   - ``"all-to-all"``: one collective instead of two. Each member packs its partial
+   - ``"all-to-all"`` (default): one collective instead of two. Each member packs its partial
      output with its LSE per (sequence, head), member k's heads in chunk k
      (``k3.dcp_pack``); an all-to-all sends chunk k to member k; each member merges the D
      partials of its own heads (``k3.dcp_merge``). The same bytes cross the links (the
      partials, fp32), plus one LSE column; the LSE all-gather and the output cast go.
+     On two H200s (NVLink, NCCL) its collectives took 20.5-27.3 us against 27.8-33.0 us
+     and every measured DCP2 attention was faster (BENCHMARKS.md).
 
 A member that owns no position of a sequence yet (length <= its first position) has an
 empty attention: LSE -inf, weight 0. The merge is exact up to rounding (softmax over a
@@ -33,7 +35,7 @@ Before (layer 4 of ``tiny-h24`` at TP2, decode, h = 12 heads per rank)::
     %getitem_8    = getitem(%mla_decode_1, 0)                                  (s, 12, 32) S(1)
     %einsum_3     = aten.einsum('thl,hdl->thd', [%getitem_8, %slice_10])
 
-After (``--dcp 2``)::
+After (``--dcp 2 --dcp-merge reduce-scatter``)::
 
     %all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(%cat_3, 2, 'k3_dcp')
     %wait_tensor  = _c10d_functional.wait_tensor(%all_gather_into_tensor)     (2s, 12, 40) L
@@ -48,7 +50,7 @@ After (``--dcp 2``)::
     %permute_1 / %_to_copy                                                     (s, 12, 32) S(1)
     %einsum_3     = aten.einsum('thl,hdl->thd', [%_to_copy, %slice_10])
 
-After, with ``merge="all-to-all"``, the merge part::
+After with the default ``merge="all-to-all"``, the merge part::
 
     %getitem / %getitem_1                          (o, lse): (s, 24, 32), (s, 24)  L
     %dcp_pack     = k3.dcp_pack(%getitem, %getitem_1, 2)                      (2, s, 12, 33) L
@@ -109,7 +111,7 @@ class SplitMLAContext(GraphPass):
     @dataclass(frozen=True)
     class Config:
         #: how the members' partial attentions are merged (see the module docstring)
-        merge: Literal["reduce-scatter", "all-to-all"] = "reduce-scatter"
+        merge: Literal["reduce-scatter", "all-to-all"] = "all-to-all"
 
         def __post_init__(self) -> None:
             if self.merge not in MERGES:

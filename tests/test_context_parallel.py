@@ -144,7 +144,7 @@ def test_localize_step_moves_owned_history_and_maps_new_tokens():
 
 
 def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: bool = False,
-             merge: str = "reduce-scatter"):
+             merge: str = "all-to-all"):
     """Float32 artifact; when validating, only the DCP pass runs (validation on gloo ranks
     after every pass is what makes these tests slow)."""
     others = ("remove_noops", "dedup_replicated_linear", "sink_copies") if validate else ()
@@ -184,8 +184,9 @@ def _check_like_dcp1(base: list, split: list, dcp: int) -> None:
 
 @pytest.mark.slow
 def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_path):
+    """merge="reduce-scatter": validated on gloo ranks, placements, runs like DCP1."""
     model = model_dirs("tiny")
-    result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True)
+    result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True, merge="reduce-scatter")
     cfg = result.captured.config
     n_mla = sum(kind == "mla" for kind in cfg.layer_kinds)
     records = {r.phase: r for r in result.pipeline.records if r.pass_name == "split_mla_context"}
@@ -213,8 +214,8 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_pat
 
 @pytest.mark.slow
 def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_path):
-    """merge="all-to-all": one collective less per MLA layer; TP2/DCP2 validated on gloo
-    ranks and run like DCP1 (TP4/DCP4 with it: the next test)."""
+    """merge="all-to-all" (the default): one collective less per MLA layer; TP2/DCP2
+    validated on gloo ranks and run like DCP1 (TP4/DCP4 with it: the next test)."""
     model = model_dirs("tiny")
     result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True, merge="all-to-all")
     n_mla = sum(kind == "mla" for kind in result.captured.config.layer_kinds)
