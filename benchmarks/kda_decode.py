@@ -358,6 +358,13 @@ def register_cap_plans() -> list[dict[str, object]]:
             for bv, rs in caps.items() for r in rs]
 
 
+def evict_plans() -> list[dict[str, object]]:
+    """The evict-first hint on and off, on whole rows (tile 128) and tile 64, 4 warps: the
+    launcher turns it on for whole rows only below two programs per CU."""
+    return [{"block_v": bv, "tiles_per_program": 1, "num_warps": 4, "evict_state": e}
+            for bv in (128, 64) for e in (True, False)]
+
+
 def plan_name(plan: dict[str, object]) -> str:
     if not plan:
         return "default"
@@ -433,7 +440,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch plans of the fused kernel only")
-    parser.add_argument("--sweep-only", choices=("register-caps",), help="with --sweep: only these plans (and the default)")
+    parser.add_argument("--sweep-only", choices=("register-caps", "evict"),
+                        help="with --sweep: only these plans (and the default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA (or ROCm) GPU")
@@ -443,7 +451,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.sweep:
         bandwidth = copy_bandwidth(1 << 30, 10)
-        plans = [{}, *register_cap_plans()] if args.sweep_only == "register-caps" else sweep_plans()
+        only = {"register-caps": register_cap_plans, "evict": evict_plans}.get(args.sweep_only)
+        plans = [{}, *only()] if only else sweep_plans()
         rows = run_sweep(batches, args.slots, args.reps, device, units, bandwidth, plans)
         print(f"\n{torch.cuda.get_device_name(device)}, {units} SMs/CUs; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
               f"{len(plans)} launch plans, bf16 activations\n")

@@ -63,10 +63,11 @@ input and v conv state) go out together with the q/k conv reads, pinned there by
 two round trips in a row instead of one). ``evict_state`` puts an evict-first cache hint on
 the state stream (touched once per step). By default it is on only when one program takes
 a head's whole row (tile 64 or wider) and the heads fit in fewer than two programs per CU:
-on an H200 it made batch 8 faster (whole rows, 96 programs: 7.4-7.6 against 7.9 us), but
-since the gate and norm weight are read with the state (fifth session) it made batch 64
-and 256 slower (34.2 / 118.3 against 33.7 / 114.0 us; in the fourth session, with those
-reads after the update, it had been 4% faster there). On narrow tiles its cache policy
+on an H200 (``benchmarks/kda_decode.py --sweep --sweep-only evict``) it made batch 8
+faster (whole rows, 96 programs: 7.4-7.6 against 7.9 us), but since the gate and norm
+weight are read with the state (fifth session) it made batch 64 and 256 slower (34.3 /
+119.1 against 33.7 / 114.7 us; in the fourth session, with those reads after the update,
+it had been 4% faster there). On narrow tiles its cache policy
 costs registers (value tile 32, 4 warps: 80 instead of 72, 24 instead of 28 resident
 warps per SM) and the data it would protect in L2 (weights, activations) is touched by
 every program, so LRU keeps it anyway.
