@@ -8,9 +8,10 @@ Before each timed replay the stream spins on the GPU (``LAUNCH_COVER_CYCLES``) w
 host queues the replay, so the timed span starts at the graph's first kernel. Without it
 the span also held the host's launch of the graph (several us), which a graph of only a
 few calls (a large KV cache copied just past L2: 2 to 6 calls) spread over those calls:
-up to ~1.5 us of a 25 us batch-1 attention step (fifth session; BENCHMARKS.md results
-before that date include it). In a served decode step one graph holds hundreds of
-kernels, so that launch is not part of any one kernel's time.
+up to about 1 us per call (fifth session: the 12 -> 16 head pad at batch 1 / 32K, 6
+calls, 2.4 -> 1.5 us; BENCHMARKS.md results before that session include it). In a
+served decode step one graph holds hundreds of kernels, so that launch is not part of
+any one kernel's time.
 """
 
 from __future__ import annotations
