@@ -7,7 +7,9 @@ fla-core's kernels, all under CUDA graphs, with the bytes floor from measured co
 Shapes: K3 per rank at TP8 (12 heads, D = DV = 128, conv kernel 4), bf16 activations, fp32
 state, ``--slots`` state slots (512). Variants, each captured in a torch.cuda.CUDAGraph:
 
-(a) ``fused``: ``kda_decode_fused``, one launch (and a sweep over its value tile BV);
+(a) ``fused``: ``kda_decode_fused``, one launch, as ``k3::kda_decode_fused`` launches it (with
+    programmatic dependent launch on CUDA sm_90+; also timed without it), and a sweep over
+    its value tile BV;
 (b) ``unfused``: ``kda_decode_chain_reference``, the repo's eager torch ops in model order;
 (c) ``fla_stack``, what serving engines run today: fla's ``causal_conv1d_update`` on q|k|v in
     one launch (it takes no slot indices: the conv-cache rows of the batch are gathered before
@@ -57,6 +59,7 @@ from k3compile.runtime.kernels.kda_decode import (
     kda_decode_chain_reference,
     kda_decode_fused,
     launch_config,
+    supports_pdl,
 )
 
 HEADS, HEAD_DIM, CONV_K = 12, 128, 4
@@ -240,7 +243,11 @@ def time_batch(batch: int, slots: int, reps: int, device: torch.device, use_fla:
     slot_sets = torch.randperm(slots, device=device)[: steps * batch].view(steps, batch)
     problem = make_problem(batch, slots, device, seed=batch)
     times: dict[str, float] = {}
-    times["fused"] = graph_time_per_step(lambda i: kda_decode_fused(**problem, slots=slot_sets[i]), steps, reps)
+    pdl = supports_pdl(device)  # as k3::kda_decode_fused launches it
+    times["fused"] = graph_time_per_step(lambda i: kda_decode_fused(**problem, slots=slot_sets[i], pdl=pdl), steps,
+                                         reps)
+    times["fused_no_pdl"] = graph_time_per_step(lambda i: kda_decode_fused(**problem, slots=slot_sets[i]), steps,
+                                                reps) if pdl else None
     for bv in BLOCK_VS:
         times[f"fused_bv{bv}"] = graph_time_per_step(
             lambda i, bv=bv: kda_decode_fused(**problem, slots=slot_sets[i], block_v=bv), steps, reps)
@@ -266,6 +273,8 @@ def run_checks(batches: list[int], slots: int, device: torch.device, fla_note: s
         for act in (torch.float32, torch.bfloat16):
             for bv in (None, *BLOCK_VS):
                 checks[f"fused_b{b}_bv{bv or 'auto'}_{act}"] = check_fused(b, slots, bv, act, device)
+            if supports_pdl(device):
+                checks[f"fused_b{b}_pdl_{act}"] = check_fused(b, slots, None, act, device, plan={"pdl": True})
         if fla_note is None:
             continue
         try:
@@ -299,18 +308,18 @@ def us(seconds: float | None) -> str:
 def markdown(rows: list[dict[str, object]]) -> str:
     """The comparison table and the tile-width sweep."""
     lines = [
-        "| batch | BV | programs | floor us | fused us | fused at % of copy bw | unfused us | fla stack us "
-        "| fla recurrent us | unfused / fused | fla stack / fused |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | BV | programs | floor us | fused us | fused at % of copy bw | fused without PDL us | unfused us "
+        "| fla stack us | fla recurrent us | unfused / fused | fla stack / fused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fla_s, fused = r.get("fla_stack_s"), r["fused_s"]
         cells = [r["batch"], r["block_v"], r["programs"], us(r["floor_s"]), us(fused),
-                 f"{100 * r['fraction_of_copy_bw']:.0f}%", us(r["unfused_s"]), us(fla_s),
+                 f"{100 * r['fraction_of_copy_bw']:.0f}%", us(r.get("fused_no_pdl_s")), us(r["unfused_s"]), us(fla_s),
                  us(r.get("fla_recurrent_s")), f"{r['unfused_s'] / fused:.1f}x",
                  "-" if fla_s is None else f"{fla_s / fused:.2f}x"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    lines += ["", "fused kernel by value tile (us per step):", "",
+    lines += ["", "fused kernel by value tile, without PDL (us per step):", "",
               "| batch | " + " | ".join(f"BV={bv}" for bv in BLOCK_VS) + " |",
               "|---|" + "---|" * len(BLOCK_VS)]
     for r in rows:
@@ -365,12 +374,26 @@ def evict_plans() -> list[dict[str, object]]:
             for bv in (128, 64) for e in (True, False)]
 
 
+def pdl_plans() -> list[dict[str, object]]:
+    """Programmatic dependent launch on whole rows and tile 64, with the warps and register
+    caps that decide how many programs an SM holds: whole rows on 4 warps need 198 registers
+    (2 programs per SM), on 8 warps 141 (1 program; 2 at 128 or fewer), tile 64 on 4 warps 125
+    (4 programs)."""
+    plans: list[dict[str, object]] = [{"pdl": True}]
+    for bv, warps, caps in ((128, 4, (None, 168)), (128, 8, (None, 128, 120)), (64, 4, (None, 96))):
+        for cap in caps:
+            for pdl in (False, True):
+                plan = {"block_v": bv, "tiles_per_program": 1, "num_warps": warps, "pdl": pdl}
+                plans.append(plan if cap is None else {**plan, "max_registers": cap})
+    return plans
+
+
 def plan_name(plan: dict[str, object]) -> str:
     if not plan:
         return "default"
     short = {"block_v": "BV", "tiles_per_program": "NT", "num_stages": "NS", "num_warps": "W", "max_registers": "R"}
     name = " ".join(f"{short[k]}{v}" for k, v in plan.items() if k in short)
-    return name + (" evict-first" if plan.get("evict_state") else "")
+    return name + (" evict-first" if plan.get("evict_state") else "") + (" pdl" if plan.get("pdl") else "")
 
 
 def run_sweep(batches: list[int], slots: int, reps: int, device: torch.device, units: int,
@@ -440,7 +463,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch plans of the fused kernel only")
-    parser.add_argument("--sweep-only", choices=("register-caps", "evict"),
+    parser.add_argument("--sweep-only", choices=("register-caps", "evict", "pdl"),
                         help="with --sweep: only these plans (and the default)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -451,7 +474,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.sweep:
         bandwidth = copy_bandwidth(1 << 30, 10)
-        only = {"register-caps": register_cap_plans, "evict": evict_plans}.get(args.sweep_only)
+        only = {"register-caps": register_cap_plans, "evict": evict_plans, "pdl": pdl_plans}.get(args.sweep_only)
         plans = [{}, *only()] if only else sweep_plans()
         rows = run_sweep(batches, args.slots, args.reps, device, units, bandwidth, plans)
         print(f"\n{torch.cuda.get_device_name(device)}, {units} SMs/CUs; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "

@@ -45,7 +45,8 @@ CAN_INTERPRET = KERNEL_INTERPRETED and aot._language_interpreted()
 CAN_COMPILE = not KERNEL_INTERPRETED or aot._language_interpreted()
 _CHILD_ENV = "K3_TEST_KDA_DECODE_CHILD"
 # The tests that need one mode (each starts with runs_here); a child runs only these.
-_MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain", "compile": "test_aot_compiles_and_fits"}
+_MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain",
+               "compile": "test_aot_compiles_and_fits or test_pdl_reads_only_the_state_before_waiting"}
 _child_runs: dict[str, tuple[dict[str, str], str]] = {}
 
 
@@ -289,6 +290,8 @@ BAD_INPUTS = [
     ("num_stages-0", lambda a: a.update(num_stages=0), "num_stages must be 1 to 3, got 0"),
     ("num_stages-4", lambda a: a.update(num_stages=4), "num_stages must be 1 to 3, got 4"),
     ("max_registers-300", lambda a: a.update(max_registers=300), "max_registers must be 24 to 255, got 300"),
+    ("pdl-on-cpu", lambda a: a.update(pdl=True), "pdl (programmatic dependent launch) needs a CUDA GPU of compute "
+     "capability 9.0 or newer, got cpu"),
 ]
 
 
@@ -437,3 +440,29 @@ def test_aot_compiles_and_fits(request: pytest.FixtureRequest, target: str, plan
     assert res.fits, res
     assert res.shared_bytes <= 16 * 1024, res  # reductions only: the state tiles live in registers
     assert res.spills in (0, None), res
+
+
+def test_pdl_reads_only_the_state_before_waiting(request: pytest.FixtureRequest) -> None:
+    """Under programmatic dependent launch (sm_90 PTX, a head's whole row per program at K3
+    shapes) a program may run while the previous kernel still writes this token's
+    projections: before ``griddepcontrol.wait`` it writes nothing and reads only what that
+    kernel cannot be writing (slot, state tile, conv states, weights). The whole state tile
+    is requested before the wait (that is the point), and no 16-byte load (state or
+    weights) is left after it, only the projections' element loads."""
+    if not runs_here(request, "compile"):
+        return
+    signature, constexprs, num_warps = kda.aot_signature(
+        torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=K3_HEAD_DIM,
+        num_warps=4, pdl=True)
+    ptx = aot.compiled_asm(aot.CompileRequest(kda.kda_decode_kernel, signature, constexprs, "sm_90", num_warps), "ptx")
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    before, after = ptx.split("griddepcontrol.wait")
+    assert "st.global" not in before and "atom." not in before
+    state_loads_per_thread = K3_HEAD_DIM * K3_HEAD_DIM * 4 // 16 // (num_warps * 32)  # 16-byte loads
+    assert before.count("ld.global.v4.b32") >= state_loads_per_thread
+    assert "ld.global.v4" not in after
+    assert after.count("ld.global") >= 6  # q, k, v, a, beta and gate, one element each per thread
+    without = kda.aot_signature(torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM,
+                                block_v=K3_HEAD_DIM, num_warps=4)
+    plain = aot.compiled_asm(aot.CompileRequest(kda.kda_decode_kernel, *without[:2], "sm_90", without[2]), "ptx")
+    assert "griddepcontrol" not in plain

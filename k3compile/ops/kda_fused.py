@@ -39,6 +39,10 @@ Implementations:
 - ``cuda`` (CUDA and ROCm): the Triton launcher, also imported on first call. It needs
   contiguous activations sharing one dtype, fp32 conv weights / A_log / dt_bias /
   norm_weight, and power-of-two D and DV; small parameters in another dtype are cast here.
+  On CUDA GPUs of compute capability 9.0 or newer it launches with programmatic dependent
+  launch (the kernel reads its state while the projection before it finishes; H200:
+  33.7 -> 32.0 us at batch 64, BENCHMARKS.md) unless it had to cast a weight, whose copy
+  the launch just before wrote.
 - fake: ``[B, H, DV]`` like v.
 
 Placement: everything is per head, as for the ops it replaces: under TP activations are
@@ -112,6 +116,7 @@ def _(
     gate: Tensor, norm_weight: Tensor, eps: float,
 ) -> Tensor:
     from k3compile.runtime.kernels.kda_decode import kda_decode_fused as launch
+    from k3compile.runtime.kernels.kda_decode import supports_pdl
 
     def act(t: Tensor) -> Tensor:
         return t.contiguous()
@@ -119,11 +124,19 @@ def _(
     def f32(t: Tensor) -> Tensor:
         return t.float().contiguous()
 
+    weights = (conv_weight_q, conv_weight_k, conv_weight_v, A_log, dt_bias, norm_weight)
+    cast = tuple(f32(w) for w in weights)
+    # Programmatic dependent launch lets the kernel read the states, slots and weights
+    # before the previous kernel has finished, so none of them may come from that kernel.
+    # States are only written by this op, slots are step inputs, weights are parameters;
+    # but a weight cast here was written by the launch just before: then no PDL.
+    pdl = supports_pdl(state.device) and all(c is w for c, w in zip(cast, weights, strict=True))
+    conv_wq, conv_wk, conv_wv, a_log, dt_b, norm_w = cast
     # Caches are passed as they are: they are updated in place (the launcher checks them).
     return launch(
-        act(q), act(k), act(v), f32(conv_weight_q), f32(conv_weight_k), f32(conv_weight_v),
-        conv_state_q, conv_state_k, conv_state_v, act(a), f32(A_log), f32(dt_bias), lower_bound,
-        act(beta), state, slots, scale, act(gate), f32(norm_weight), eps,
+        act(q), act(k), act(v), conv_wq, conv_wk, conv_wv,
+        conv_state_q, conv_state_k, conv_state_v, act(a), a_log, dt_b, lower_bound,
+        act(beta), state, slots, scale, act(gate), norm_w, eps, pdl=pdl,
     )
 
 

@@ -181,7 +181,7 @@ def compile_many(requests: list[CompileRequest]) -> list[KernelResources]:
     for r in requests:
         _target_spec(r.target)
     if _language_interpreted():
-        return _compile_in_subprocess(requests)
+        return [KernelResources(**d) for d in _compile_in_subprocess(requests)]
     return [_compile(r) for r in requests]
 
 
@@ -197,7 +197,19 @@ def _language_interpreted() -> bool:
     return not isinstance(triton.language.standard.cdiv, JITFunction)
 
 
-def _compile(r: CompileRequest) -> KernelResources:
+def compiled_asm(r: CompileRequest, kind: str) -> str:
+    """The compiled text of one request: ``kind`` "ptx" (NVIDIA), "amdgcn" (AMD), "ttgir",
+    ... For tests that check what the compiler made of a kernel (the order of its memory
+    operations). Under TRITON_INTERPRET in a subprocess, as compile_many."""
+    if _language_interpreted():
+        return _compile_in_subprocess([r], asm=kind)[0]
+    compiled = _triton_compile(r)
+    if kind not in compiled.asm:
+        raise ValueError(f"no {kind!r} for {r.target}: have {sorted(compiled.asm)}")
+    return compiled.asm[kind]
+
+
+def _triton_compile(r: CompileRequest):
     spec = _target_spec(r.target)
     fn = r.fn
     if not isinstance(fn, JITFunction):
@@ -212,7 +224,13 @@ def _compile(r: CompileRequest) -> KernelResources:
     }
     src = ASTSource(fn=fn, signature=r.signature, constexprs=r.constexprs, attrs=attrs)
     options = {"num_warps": r.num_warps, "num_stages": r.num_stages}
-    compiled = triton.compile(src, target=spec.gpu_target, options=options)
+    return triton.compile(src, target=spec.gpu_target, options=options)
+
+
+def _compile(r: CompileRequest) -> KernelResources:
+    spec = _target_spec(r.target)
+    compiled = _triton_compile(r)
+    fn = r.fn
     shared = int(compiled.metadata.shared)
     if spec.is_amd:
         registers, spills = _amdgcn_registers(compiled.asm["amdgcn"])
@@ -261,7 +279,9 @@ def _cubin_registers(cubin: bytes, name: str) -> tuple[int | None, int | None]:
     return int(match.group(1)), (int(match.group(2)) + int(match.group(3))) // 4
 
 
-def _compile_in_subprocess(requests: list[CompileRequest]) -> list[KernelResources]:
+def _compile_in_subprocess(requests: list[CompileRequest], asm: str | None = None) -> list:
+    """Compile in a fresh process without TRITON_INTERPRET: each request's resources (as
+    dicts), or its ``asm`` text of that kind."""
     jobs = []
     for r in requests:
         inner = getattr(r.fn, "fn", None)  # the Python function under a JIT or interpreter wrapper
@@ -270,7 +290,7 @@ def _compile_in_subprocess(requests: list[CompileRequest]) -> list[KernelResourc
                              "defined at the top level of an importable module")
         jobs.append({"module": inner.__module__, "name": inner.__name__, "signature": r.signature,
                      "constexprs": r.constexprs, "target": r.target, "num_warps": r.num_warps,
-                     "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16)})
+                     "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16), "asm": asm})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included
     proc = subprocess.run(
@@ -279,16 +299,18 @@ def _compile_in_subprocess(requests: list[CompileRequest]) -> list[KernelResourc
     )
     if proc.returncode != 0:
         raise RuntimeError(f"AOT compilation in a subprocess failed:\n{proc.stderr[-6000:]}")
-    return [KernelResources(**d) for d in json.loads(proc.stdout.strip().splitlines()[-1])]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _subprocess_main() -> None:
-    """Compile the JSON job list on stdin; print the resources as one JSON line."""
+    """Compile the JSON job list on stdin; print the resources (or asm texts) as one JSON line."""
     # A kernel module (a test) may set TRITON_INTERPRET when imported: keep compiling.
     triton.knobs.runtime.interpret = False
     results = []
     for job in json.load(sys.stdin):
         fn = getattr(importlib.import_module(job.pop("module")), job.pop("name"))
         job["divisible_by_16"] = tuple(job["divisible_by_16"])
-        results.append(asdict(_compile(CompileRequest(fn, **job))))
+        kind = job.pop("asm")
+        request = CompileRequest(fn, **job)
+        results.append(compiled_asm(request, kind) if kind else asdict(_compile(request)))
     print(json.dumps(results))

@@ -26,8 +26,10 @@ the conv kernel size (4):
 3. Delta rule on each [D, BV] slice of the fp32 state ``S[slot, h]`` (layout [D_k, D_v]):
    ``S' = diag(exp g) S;  u = v - S'^T k;  S <- S' + beta k u^T``, and the output
    ``o = S^T q = S'^T q + beta (k . q) u``: one reduction of the pair (S'^T k, S'^T q) over
-   the key dim instead of two in sequence. Each slice is read once and written once; o [BV]
-   is rounded to the model dtype (the chain does).
+   the key dim instead of two in sequence, taken as ``S^T (exp(g) k)`` and ``S^T (exp(g)
+   q)`` so that S' is never formed: the new slice is one fused multiply-add per value,
+   ``S * exp(g) + (beta k) u^T``. Each slice is read once and written once; o [BV] is
+   rounded to the model dtype (the chain does).
 4. ``y = RMSNorm_DV(o) * o_norm * sigmoid(gate)`` over the head's whole DV row.
 
 Grid ``(DV // (BV * NT), H, B)``: a head's programs fastest, then its sequence's heads, so
@@ -72,12 +74,24 @@ costs registers (value tile 32, 4 warps: 80 instead of 72, 24 instead of 28 resi
 warps per SM) and the data it would protect in L2 (weights, activations) is touched by
 every program, so LRU keeps it anyway.
 
+Programmatic dependent launch (``pdl``; CUDA, compute capability 9.0 and newer): the
+kernel may start while the kernel before it on the stream is still running. Each program
+reads its slot, its state tile, the conv states and the weights, then waits for that
+kernel (``griddepcontrol.wait``) before reading this token's projections, which that
+kernel may be writing, and writes nothing before the wait. So the state's first round trip
+and the launch overlap the previous kernel's tail, which matters most where a step is a
+few waves of programs: on an H200 at batch 64 33.7 -> 32.0 us after another step, 34.7 ->
+32.5 us after the q projection's GEMM (``benchmarks/kda_decode_pieces.py``). The caller
+promises that the kernel just before writes neither the states, the slots nor the
+weights (``k3::kda_decode_fused`` checks it for the weights it casts).
+
 Launch choices (``launch_config``): ``block_v`` (``choose_block_v``: a head's whole row once
 the batch has half as many heads as CUs, else the widest tile that still gives two programs
 per CU), ``tiles_per_program``
 (``choose_tiles_per_program``, capped at ``MAX_TILES_PER_PROGRAM``), ``num_warps``
 (``num_warps_for``), ``num_stages``, ``evict_state`` (on for whole-row tiles of 64 or more
-while the heads give fewer than two programs per CU) and ``max_registers``; ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
+while the heads give fewer than two programs per CU), ``max_registers`` and ``pdl`` (off
+unless asked for); ``benchmarks/kda_decode.py --sweep`` times a grid of them on a GPU.
 
 Bytes per step (``bytes_moved``), the floor a memory-bound kernel cannot beat:
 fp32 state read + written once, ``2 * B * H * D * DV * 4`` (1.5 MiB per sequence at K3 per
@@ -127,6 +141,7 @@ __all__ = [
     "launch_config",
     "launch_grid",
     "num_warps_for",
+    "supports_pdl",
 ]
 
 #: widest value tile (see choose_block_v)
@@ -224,38 +239,45 @@ def _tile_ptrs(head_state, dk, tile, DV: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def _tile_reads(
-    head_state, dk, tile, v_row, v_conv_w_row, v_conv_state_row, cols,
+    head_state, dk, tile, v_conv_w_row, v_conv_state_row, cols,
     DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr, STATE_EVICT: tl.constexpr,
 ):
-    """Everything value tile ``tile`` reads, issued together: (its [D, BV] fp32 state slice, and
-    its v channels' input, stored conv state and conv weights)."""
+    """What value tile ``tile`` reads that no earlier kernel of the step writes, issued
+    together: (its [D, BV] fp32 state slice, its v channels' stored conv state and conv
+    weights)."""
     dv = tile * BV + tl.arange(0, BV)
     s = tl.load(_tile_ptrs(head_state, dk, tile, DV, BV), eviction_policy=STATE_EVICT)
     v_stored, v_w = _conv_taps(v_conv_w_row, v_conv_state_row, dv, cols, K)
-    return s, tl.load(v_row + dv), v_stored, v_w
+    return s, v_stored, v_w
+
+
+@triton.jit
+def _tile_input(v_row, tile, BV: tl.constexpr):
+    """This token's v projection for value tile ``tile`` (written by the step's previous kernels)."""
+    return tl.load(v_row + tile * BV + tl.arange(0, BV))
 
 
 @triton.jit
 def _value_tile(
-    reads, s_ptrs, tile, decay, q, k, beta, beta_kq, v_conv_state_row, out_row, cols,
+    reads, v_x, s_ptrs, tile, decay, q, k, beta, beta_kq, v_conv_state_row, out_row, cols,
     BV: tl.constexpr, K: tl.constexpr, STATE_EVICT: tl.constexpr, STORE_O: tl.constexpr,
 ):
     """Delta rule on one [D, BV] state tile from ``_tile_reads`` (the state slice as loaded
-    from ``s_ptrs``): stores the new slice and (if STORE_O) its o columns in the model dtype;
+    from ``s_ptrs``) and ``_tile_input`` (v_x): stores the new slice and (if STORE_O) its o
+    columns in the model dtype;
     returns o (fp32 of the rounded values). Convolves the tile's v channels and shifts their
     conv state (no other program touches them).
 
     ``o = S_new^T q = (decay S)^T q + beta (k . q) u``, so the two sums over the key dim,
     ``(decay S)^T k`` and ``(decay S)^T q``, are one reduction of a pair instead of two in
     sequence (the second used to wait for the updated state)."""
-    s, v_x, v_stored, v_w = reads
+    s, v_stored, v_w = reads
     dv = tile * BV + tl.arange(0, BV)
     v, v_window = _conv_apply(v_x, v_stored, v_w, cols, K)
     _store_conv_state(v_conv_state_row, dv, cols, v_window, K)
-    s = s * decay[:, None]
-    sk, sq = tl.reduce((s * k[:, None], s * q[:, None]), 0, _add2)
+    sk, sq = tl.reduce((s * (decay * k)[:, None], s * (decay * q)[:, None]), 0, _add2)
     u = v - sk
-    tl.store(s_ptrs, s + (beta * k)[:, None] * u[None, :], eviction_policy=STATE_EVICT)
+    tl.store(s_ptrs, tl.fma(s, decay[:, None], (beta * k)[:, None] * u[None, :]), eviction_policy=STATE_EVICT)
     o = (sq + beta_kq * u).to(out_row.dtype.element_ty)
     if STORE_O:
         tl.store(out_row + dv, o)
@@ -280,6 +302,7 @@ def kda_decode_kernel(
     NT: tl.constexpr,  # value tiles per program, updated in turn
     NS: tl.constexpr,  # state tiles in flight per program (1 to 3), registers each
     STATE_EVICT: tl.constexpr,  # cache eviction policy of the state stream: "evict_first" or ""
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (CUDA sm_90+): wait for the previous kernel
 ):
     SPLIT: tl.constexpr = DV // (BV * NT)  # programs per head
     DIRECT: tl.constexpr = SPLIT == 1 and NT == 1  # one program and one tile per head: o stays in registers
@@ -305,25 +328,38 @@ def kda_decode_kernel(
     v_conv_state_row = v_conv_state_ptr + slot * (H * DV * (K - 1)) + i_h * (DV * (K - 1))
     q_stored, q_w = _conv_taps(q_conv_w_ptr, q_conv_state, qk_channels, cols, K)
     k_stored, k_w = _conv_taps(k_conv_w_ptr, k_conv_state, qk_channels, cols, K)
-    b0 = _tile_reads(head_state, dk, first, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
+    b0 = _tile_reads(head_state, dk, first, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
     if NS > 1 and NT > 1:
-        b1 = _tile_reads(head_state, dk, first + 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
-                         STATE_EVICT)
+        b1 = _tile_reads(head_state, dk, first + 1, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
     if NS > 2 and NT > 2:
-        b2 = _tile_reads(head_state, dk, first + 2, v_row, v_conv_w_row, v_conv_state_row, cols, DV, BV, K,
-                         STATE_EVICT)
+        b2 = _tile_reads(head_state, dk, first + 2, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
     # The per-head inputs of steps 2 and 4 go out with them too, so that no round trip is
     # left after the state update (with one program per head, the output gate and norm
     # weight were read only after it: one more L2 round trip per program, with its
     # registers held).
-    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + tl.load(dt_bias_ptr + qk_channels)
+    dt_bias = tl.load(dt_bias_ptr + qk_channels)
     a_log = tl.load(a_log_ptr + i_h).to(tl.float32)
-    beta_logit = tl.load(beta_ptr + i_b * H + i_h).to(tl.float32)
-    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
     all_v = tl.arange(0, DV)
     if DIRECT:
-        gate = tl.load(gate_row + all_v)
         norm_weight = tl.load(norm_weight_ptr + all_v)
+    # Everything read so far (slots, states, weights) no kernel of the decode step writes
+    # just before this one; what follows (this token's projections) the previous kernel
+    # may still be writing. Under programmatic dependent launch this program may start
+    # while that kernel finishes: it waits for it here, with its state reads in flight, and
+    # lets the next kernel's programs start (they can only take SM slots this grid frees).
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    v0 = _tile_input(v_row, first, BV)
+    if NS > 1 and NT > 1:
+        v1 = _tile_input(v_row, first + 1, BV)
+    if NS > 2 and NT > 2:
+        v2 = _tile_input(v_row, first + 2, BV)
+    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + dt_bias
+    beta_logit = tl.load(beta_ptr + i_b * H + i_h).to(tl.float32)
+    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
+    if DIRECT:
+        gate = tl.load(gate_row + all_v)
     tl.debug_barrier()
     q, q_window = _conv_apply(tl.load(q_ptr + i_b * (H * D) + qk_channels), q_stored, q_w, cols, K)
     k, k_window = _conv_apply(tl.load(k_ptr + i_b * (H * D) + qk_channels), k_stored, k_w, cols, K)
@@ -345,22 +381,23 @@ def kda_decode_kernel(
     row = (i_b * H + i_h) * DV
     for t in tl.static_range(NT):
         if t > 0 and t + NS - 1 < NT:  # keep NS tiles in flight: read the one NS-1 ahead
-            nxt = _tile_reads(head_state, dk, first + t + NS - 1, v_row, v_conv_w_row, v_conv_state_row, cols, DV,
-                              BV, K, STATE_EVICT)
+            ahead = first + t + NS - 1
+            nxt = _tile_reads(head_state, dk, ahead, v_conv_w_row, v_conv_state_row, cols, DV, BV, K, STATE_EVICT)
+            nxt_v = _tile_input(v_row, ahead, BV)
             if (t + NS - 1) % NS == 0:
-                b0 = nxt
+                b0, v0 = nxt, nxt_v
             elif (t + NS - 1) % NS == 1:
-                b1 = nxt
+                b1, v1 = nxt, nxt_v
             else:
-                b2 = nxt
+                b2, v2 = nxt, nxt_v
         if t % NS == 0:
-            s = b0
+            s, v_x = b0, v0
         elif t % NS == 1:
-            s = b1
+            s, v_x = b1, v1
         else:
-            s = b2
-        o = _value_tile(s, _tile_ptrs(head_state, dk, first + t, DV, BV), first + t, decay, q, k, beta, beta_kq,
-                        v_conv_state_row, out_ptr + row, cols, BV, K, STATE_EVICT, not DIRECT)
+            s, v_x = b2, v2
+        o = _value_tile(s, v_x, _tile_ptrs(head_state, dk, first + t, DV, BV), first + t, decay, q, k, beta,
+                        beta_kq, v_conv_state_row, out_ptr + row, cols, BV, K, STATE_EVICT, not DIRECT)
 
     # 4. Gated RMSNorm over the whole head row: from registers (one tile per head), by the
     #    head's only program after its tiles, or by the last of its programs to arrive.
@@ -452,6 +489,9 @@ class LaunchConfig:
     #: a cap on registers per thread (CUDA only: Triton's ``maxnreg``), for more resident
     #: programs per SM at the price of spills; None: the compiler's choice
     max_registers: int | None = None
+    #: programmatic dependent launch (CUDA sm_90+): programs may start while the previous
+    #: kernel finishes and read the state before waiting for it (see the kernel's PDL)
+    pdl: bool = False
 
     def programs_per_head(self, head_dim_v: int) -> int:
         return head_dim_v // (self.block_v * self.tiles_per_program)
@@ -461,6 +501,7 @@ def launch_config(
     batch: int, heads: int, head_dim: int, head_dim_v: int, compute_units: int, *,
     block_v: int | None = None, tiles_per_program: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, evict_state: bool | None = None, max_registers: int | None = None,
+    pdl: bool = False,
 ) -> LaunchConfig:
     """The launch plan: each choice given, or the heuristic's (``choose_block_v``,
     ``choose_tiles_per_program``, ``num_warps_for``, 2 stages, the evict-first hint when
@@ -497,7 +538,8 @@ def launch_config(
     if evict_state is None:  # on for whole-row tiles of small batches, see the module docstring
         whole_rows = block_v * tiles_per_program == head_dim_v and block_v >= 64
         evict_state = whole_rows and batch * heads < 2 * compute_units
-    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers)
+    return LaunchConfig(block_v, tiles_per_program, num_warps, num_stages, bool(evict_state), max_registers,
+                        bool(pdl))
 
 
 def bytes_moved(
@@ -517,7 +559,8 @@ def _constexprs(
 ) -> dict[str, int | str]:
     return {"H": heads, "D": head_dim, "DV": head_dim_v, "K": conv_kernel,
             "KP": triton.next_power_of_2(conv_kernel), "BV": config.block_v, "NT": config.tiles_per_program,
-            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else ""}
+            "NS": config.num_stages, "STATE_EVICT": "evict_first" if config.evict_state else "",
+            "PDL": config.pdl}
 
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -528,13 +571,14 @@ _FP32_POINTERS = ("q_conv_w_ptr", "k_conv_w_ptr", "v_conv_w_ptr", "a_log_ptr", "
 def aot_signature(
     dtype: torch.dtype, heads: int = 12, head_dim: int = 128, head_dim_v: int = 128, block_v: int = 16,
     conv_kernel: int = 4, *, tiles_per_program: int = 1, num_warps: int | None = None, num_stages: int = 2,
-    evict_state: bool = False,
+    evict_state: bool = False, pdl: bool = False,
 ) -> tuple[dict[str, str], dict[str, int | str], int]:
     """(signature, constexprs, num_warps) of the kernel as ``kda_decode_fused`` launches it with
     activations and conv states in ``dtype`` and these launch choices (``launch_config``; the
-    compiler's own num_stages is 1), for ``aot.compile_for_target``; K3 per-rank defaults."""
+    compiler's own num_stages is 1), for ``aot.compile_for_target``; K3 per-rank defaults.
+    ``pdl`` only for CUDA targets (the wait is a CUDA instruction)."""
     config = launch_config(1, heads, head_dim, head_dim_v, 1, block_v=block_v, tiles_per_program=tiles_per_program,
-                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state)
+                           num_warps=num_warps, num_stages=num_stages, evict_state=evict_state, pdl=pdl)
     t = _TRITON_DTYPES[dtype]
     pointer = {"slots_ptr": "i64", "counter_ptr": "i32", **{name: "fp32" for name in _FP32_POINTERS}}
     signature = {
@@ -549,6 +593,12 @@ def aot_signature(
 def _compute_units(device: torch.device) -> int:
     """SMs / CUs (ROCm reports CUs here too); 1 for the CPU interpreter (one tile per head)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA (not ROCm) from compute capability 9.0."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _counters = ArrivalCounters("kda_decode_fused")
@@ -613,6 +663,7 @@ def kda_decode_fused(
     num_stages: int | None = None,
     evict_state: bool | None = None,
     max_registers: int | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """One KDA decode step for B sequences, one launch; updates conv states and state in place.
 
@@ -629,7 +680,11 @@ def kda_decode_fused(
     value tiles one program updates in turn; ``num_warps``; ``num_stages``, value tiles in
     flight per program (with several tiles per program); ``evict_state``, the evict-first
     cache hint on the state stream; ``max_registers``, a register cap per thread (CUDA's
-    maxnreg; ignored elsewhere; every cap tried on an H200 was slower, BENCHMARKS.md).
+    maxnreg; ignored elsewhere; every cap tried on an H200 was slower, BENCHMARKS.md);
+    ``pdl``, launch as a programmatic dependent launch (CUDA sm_90+; ValueError elsewhere):
+    the caller promises that the kernel launched just before this one on the stream writes
+    neither the states nor the slots (it may write the projections, which are read after
+    the wait).
     """
     if not isinstance(state, Tensor) or state.dim() != 4:
         raise ValueError(f"state must be a [S, H, D, DV] tensor, got {getattr(state, 'shape', type(state).__name__)}")
@@ -674,9 +729,12 @@ def kda_decode_fused(
         out = torch.empty(B, H, DV, dtype=act, device=device)
     else:
         _expect("out", out, (B, H, DV), (act,), device)
+    if pdl and not supports_pdl(device):
+        raise ValueError(f"pdl (programmatic dependent launch) needs a CUDA GPU of compute capability 9.0 or "
+                         f"newer, got {device}")
     config = launch_config(B, H, D, DV, _compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
                            num_warps=num_warps, num_stages=num_stages, evict_state=evict_state,
-                           max_registers=max_registers)
+                           max_registers=max_registers, pdl=pdl)
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):
         raise ValueError(
             "kda_decode_fused on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
@@ -695,6 +753,7 @@ def kda_decode_fused(
         **_constexprs(H, D, DV, K, config),
         num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
         **({"maxnreg": config.max_registers} if config.max_registers and device.type == "cuda" else {}),
+        **({"launch_pdl": True} if config.pdl else {}),
     )
     return out
 
@@ -728,6 +787,7 @@ def kda_decode_chain_reference(
     num_stages: int | None = None,
     evict_state: bool | None = None,
     max_registers: int | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """The unfused chain with the repo's k3 ops, in the model's order (``kda_decode_fused``'s
     contract; the launch choices are accepted and ignored so the two are interchangeable)."""
