@@ -55,7 +55,6 @@ import triton
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
 from k3compile.runtime.kernels.kda_decode import (
     bytes_moved,
-    choose_block_v,
     kda_decode_chain_reference,
     kda_decode_fused,
     launch_config,
@@ -293,9 +292,10 @@ def measure(batch: int, slots: int, reps: int, device: torch.device, use_fla: bo
     timed = time_batch(batch, slots, reps, device, use_fla)
     t = timed["times_s"]
     floor_bytes = bytes_moved(batch, HEADS, HEAD_DIM, HEAD_DIM, CONV_K, 2)
-    bv = choose_block_v(batch, HEADS, HEAD_DIM, units)
+    config = launch_config(batch, HEADS, HEAD_DIM, HEAD_DIM, units, pdl=supports_pdl(device))  # what "fused" ran
     return {
-        "batch": batch, "block_v": bv, "programs": batch * HEADS * HEAD_DIM // bv,
+        "batch": batch, "block_v": config.block_v, "tiles_per_program": config.tiles_per_program,
+        "programs": batch * HEADS * config.programs_per_head(HEAD_DIM),
         "steps_per_graph": timed["steps_per_graph"], "floor_bytes": floor_bytes, "floor_s": floor_bytes / bandwidth,
         "fraction_of_copy_bw": floor_bytes / bandwidth / t["fused"], **{f"{k}_s": v for k, v in t.items()},
     }
@@ -314,7 +314,8 @@ def markdown(rows: list[dict[str, object]]) -> str:
     ]
     for r in rows:
         fla_s, fused = r.get("fla_stack_s"), r["fused_s"]
-        cells = [r["batch"], r["block_v"], r["programs"], us(r["floor_s"]), us(fused),
+        tiles = r.get("tiles_per_program", 1)
+        cells = [r["batch"], f"{r['block_v']} x {tiles}" if tiles > 1 else r["block_v"], r["programs"], us(r["floor_s"]), us(fused),
                  f"{100 * r['fraction_of_copy_bw']:.0f}%", us(r.get("fused_no_pdl_s")), us(r["unfused_s"]), us(fla_s),
                  us(r.get("fla_recurrent_s")), f"{r['unfused_s'] / fused:.1f}x",
                  "-" if fla_s is None else f"{fla_s / fused:.2f}x"]

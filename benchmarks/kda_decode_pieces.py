@@ -22,22 +22,39 @@ its own slots, replays timed from their first kernel. Per batch, us per step of:
   kernel: what PDL can win when the kernel before is not another KDA step.
 
 Before timing, the PDL launches are checked inside CUDA graphs: a graph of every step
-with PDL and one without, replayed once each on copies of the same problem, must leave
-identical states, conv states and outputs (bitwise: the same kernel math), with and
-without the GEMM before each step. Prints one line per measurement.
+with the launcher's PDL plan and one with the same plan without PDL, replayed once each
+on copies of the same problem, must leave identical states, conv states and outputs
+(bitwise: the same kernel math), with and without the GEMM before each step. (``fused``
+without PDL is the launcher's plan without it: one tile per head row where PDL takes
+two.) Prints one line per measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
-
-from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
-from k3compile.runtime.kernels.kda_decode import bytes_moved, kda_decode_fused
-from kda_decode import CONV_K, HEAD_DIM, HEADS, STATE_NAMES, make_problem, with_own_states
+from gpu_timing import (  # benchmarks/ is the script's directory
+    copy_bandwidth,
+    graph_time,
+)
+from k3compile.runtime.kernels.kda_decode import (
+    bytes_moved,
+    kda_decode_fused,
+    launch_config,
+)
+from kda_decode import (
+    CONV_K,
+    HEAD_DIM,
+    HEADS,
+    STATE_NAMES,
+    make_problem,
+    with_own_states,
+)
 
 HIDDEN = 7168  # K3 hidden size: the q projection's input
 GEMM_WEIGHT_COPIES = 4  # 4 x 22 MB of q projection weights: over the 50 MB L2
@@ -108,9 +125,10 @@ def q_projection(batch: int, device: torch.device) -> tuple[torch.Tensor, torch.
     return x, w
 
 
-def graph_outputs(problem: dict, slot_sets: torch.Tensor, pdl: bool, gemm: tuple | None) -> list[torch.Tensor]:
-    """Replay once a graph of every step (the GEMM into q first if given); returns the
-    states, conv states and each step's output."""
+def graph_outputs(problem: dict, slot_sets: torch.Tensor, plan: dict, gemm: tuple | None) -> list[torch.Tensor]:
+    """Replay once a graph of every step (the GEMM into q first if given) launched with
+    ``plan`` (kda_decode_fused's launch keywords); returns the states, conv states and each
+    step's output."""
     outs = [torch.empty(slot_sets.shape[1], HEADS, HEAD_DIM, dtype=problem["q"].dtype, device=problem["q"].device)
             for _ in slot_sets]
 
@@ -118,7 +136,7 @@ def graph_outputs(problem: dict, slot_sets: torch.Tensor, pdl: bool, gemm: tuple
         for i, slots in enumerate(slot_sets):
             if gemm is not None:
                 torch.mm(*gemm, out=problem["q"])
-            kda_decode_fused(**problem, slots=slots, out=outs[i], pdl=pdl)
+            kda_decode_fused(**problem, slots=slots, out=outs[i], **plan)
 
     steps()  # compile outside the capture (states move one step; both runs do the same)
     torch.cuda.synchronize()
@@ -131,15 +149,73 @@ def graph_outputs(problem: dict, slot_sets: torch.Tensor, pdl: bool, gemm: tuple
 
 
 def check_pdl_in_graphs(batch: int, slot_sets: torch.Tensor, device: torch.device) -> None:
+    """The launcher's PDL plan against the same plan without PDL: bit for bit."""
     base = make_problem(batch, 512, device, seed=batch)
+    units = torch.cuda.get_device_properties(device).multi_processor_count
+    config = launch_config(batch, HEADS, HEAD_DIM, HEAD_DIM, units, pdl=True)
+    plan = {"block_v": config.block_v, "tiles_per_program": config.tiles_per_program,
+            "num_stages": config.num_stages, "num_warps": config.num_warps, "evict_state": config.evict_state}
     for gemm in (None, q_projection(batch, device)):
-        plain = graph_outputs(with_own_states(base), slot_sets, False, gemm)
-        with_pdl = graph_outputs(with_own_states(base), slot_sets, True, gemm)
+        plain = graph_outputs(with_own_states(base), slot_sets, {**plan, "pdl": False}, gemm)
+        with_pdl = graph_outputs(with_own_states(base), slot_sets, {**plan, "pdl": True}, gemm)
         if not all(torch.equal(a, b) for a, b in zip(plain, with_pdl, strict=True)):
             raise SystemExit(f"batch {batch}: PDL launches {'after a GEMM ' if gemm else ''}in a CUDA graph "
                              f"changed the states or outputs")
     print(f"batch {batch}: PDL in CUDA graphs leaves states and outputs bit-identical (with and without the GEMM)",
           flush=True)
+
+
+def time_pieces(batch: int, slots: int, reps: int, device: torch.device, bandwidth: float) -> None:
+    """Check PDL in graphs, then print every piece's us per step at one batch."""
+    steps = slots // batch
+    slot_sets = torch.randperm(slots, device=device)[: steps * batch].view(steps, batch)
+    check_pdl_in_graphs(batch, slot_sets, device)
+    floor = bytes_moved(batch, HEADS, HEAD_DIM, HEAD_DIM, CONV_K, 2) / bandwidth
+
+    def report(name: str, fns: list) -> float:
+        t = graph_time(fns, reps)
+        print(f"batch {batch} {name}: {t * 1e6:.1f} us, {100 * floor / t:.0f}% of copy bw", flush=True)
+        return t
+
+    problem = make_problem(batch, slots, device, seed=batch)
+    state = problem["state"]
+    blocks = state.view(-1, HEAD_DIM * HEAD_DIM).split(batch * HEADS)  # consecutive slots, a step's bytes each
+    report("torch add_", [functools.partial(torch.Tensor.add_, blocks[i], 1.0) for i in range(steps)])
+    core = delta_core_inputs(batch, device)
+    slot_starts = [torch.tensor([i * batch], device=device) for i in range(steps)]
+    grid = (HEADS, batch)
+    for pdl in (False, True):
+        tag = " pdl" if pdl else ""
+        launch = {"num_warps": 4, "launch_pdl": True} if pdl else {"num_warps": 4}
+        rmw = _state_rmw_kernel[grid]
+        report(f"state rmw{tag}", [functools.partial(rmw, state, s, HEADS, HEAD_DIM, HEAD_DIM, pdl, True, **launch)
+                                   for s in slot_sets])
+        report(f"state rmw contiguous{tag}", [
+            functools.partial(rmw, state, s, HEADS, HEAD_DIM, HEAD_DIM, pdl, False, **launch) for s in slot_starts])
+        for warps in (4, 8):
+            report(f"delta core {warps} warps{tag}", [
+                functools.partial(_delta_core_kernel[grid], state, s, core["q"], core["k"], core["decay"], core["v"],
+                                  core["beta"], core["out"], HEADS, HEAD_DIM, HEAD_DIM, pdl,
+                                  **{**launch, "num_warps": warps}) for s in slot_sets])
+        for evict in (False, True):
+            report(f"fused{' evict-first' if evict else ''}{tag}", [
+                functools.partial(kda_decode_fused, **problem, slots=s, pdl=pdl, evict_state=evict)
+                for s in slot_sets])
+    x, w = q_projection(batch, device)
+    ws = [w.clone() for _ in range(GEMM_WEIGHT_COPIES)]  # as each layer has its own: read from HBM
+    gemms = [functools.partial(torch.mm, x, ws[i % len(ws)], out=problem["q"]) for i in range(steps)]
+    t_gemm = report("gemm", gemms)
+    for pdl in (False, True):
+        fused = [functools.partial(kda_decode_fused, **problem, slots=s, pdl=pdl) for s in slot_sets]
+        t = report(f"gemm + fused{' pdl' if pdl else ''}", [functools.partial(_in_turn, g, f)
+                                                             for g, f in zip(gemms, fused, strict=True)])
+        print(f"batch {batch} fused after the gemm{' (pdl)' if pdl else ''}: {(t - t_gemm) * 1e6:.1f} us, "
+              f"{100 * floor / (t - t_gemm):.0f}% of copy bw", flush=True)
+
+
+def _in_turn(*fns: Callable[[], object]) -> None:
+    for fn in fns:
+        fn()
 
 
 def main() -> None:
@@ -152,49 +228,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(1 << 30, 10)
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
-        steps = args.slots // batch
-        slot_sets = torch.randperm(args.slots, device=device)[: steps * batch].view(steps, batch)
-        check_pdl_in_graphs(batch, slot_sets, device)
-        floor = bytes_moved(batch, HEADS, HEAD_DIM, HEAD_DIM, CONV_K, 2) / bandwidth
-
-        def report(name: str, fns: list) -> float:
-            t = graph_time(fns, args.reps)
-            print(f"batch {batch} {name}: {t * 1e6:.1f} us, {100 * floor / t:.0f}% of copy bw", flush=True)
-            return t
-
-        problem = make_problem(batch, args.slots, device, seed=batch)
-        state = problem["state"]
-        per_step = batch * HEADS
-        flat = state.view(-1, HEAD_DIM * HEAD_DIM)
-        report("torch add_", [lambda i=i: flat[i * per_step:(i + 1) * per_step].add_(1.0) for i in range(steps)])
-        core = delta_core_inputs(batch, device)
-        slot_starts = [torch.tensor([i * batch], device=device) for i in range(steps)]
-        for pdl in (False, True):
-            launch = {"launch_pdl": True} if pdl else {}
-            for indirect in (True, False):
-                report(f"state rmw{'' if indirect else ' contiguous'}{' pdl' if pdl else ''}",
-                       [lambda i=i, s=s, ind=indirect: _state_rmw_kernel[(HEADS, batch)](
-                           state, s if ind else slot_starts[i], HEADS, HEAD_DIM, HEAD_DIM, pdl, ind, num_warps=4,
-                           **launch) for i, s in enumerate(slot_sets)])
-            for warps in (4, 8):
-                report(f"delta core {warps} warps{' pdl' if pdl else ''}",
-                       [lambda s=s, w=warps: _delta_core_kernel[(HEADS, batch)](
-                           state, s, core["q"], core["k"], core["decay"], core["v"], core["beta"], core["out"],
-                           HEADS, HEAD_DIM, HEAD_DIM, pdl, num_warps=w, **launch) for s in slot_sets])
-            for evict in (False, True):
-                report(f"fused{' evict-first' if evict else ''}{' pdl' if pdl else ''}",
-                       [lambda s=s, e=evict: kda_decode_fused(**problem, slots=s, pdl=pdl, evict_state=e)
-                        for s in slot_sets])
-        x, w = q_projection(batch, device)
-        ws = [w.clone() for _ in range(GEMM_WEIGHT_COPIES)]  # as each layer has its own: read from HBM
-        t_gemm = report("gemm", [lambda i=i: torch.mm(x, ws[i % len(ws)], out=problem["q"]) for i in range(steps)])
-        for pdl in (False, True):
-            t = report(f"gemm + fused{' pdl' if pdl else ''}",
-                       [lambda i=i, s=s: (torch.mm(x, ws[i % len(ws)], out=problem["q"]),
-                                          kda_decode_fused(**problem, slots=s, pdl=pdl))
-                        for i, s in enumerate(slot_sets)])
-            print(f"batch {batch} fused after the gemm{' (pdl)' if pdl else ''}: {(t - t_gemm) * 1e6:.1f} us, "
-                  f"{100 * floor / (t - t_gemm):.0f}% of copy bw", flush=True)
+        time_pieces(batch, args.slots, args.reps, device, bandwidth)
 
 
 if __name__ == "__main__":

@@ -181,6 +181,11 @@ CASES = [
     Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=8, dtype=torch.float32, tiles_per_program=4),
     Case(batch=2, heads=3, head_dim=16, head_dim_v=16, block_v=4, dtype=torch.bfloat16, tiles_per_program=4,
          num_stages=3, num_warps=1),
+    # ... two tiles per head, both kept in registers for the norm, 2 stages or 1 ...
+    Case(batch=3, heads=2, head_dim=16, head_dim_v=16, block_v=8, dtype=torch.bfloat16, tiles_per_program=2,
+         num_stages=2),
+    Case(batch=2, heads=3, head_dim=16, head_dim_v=32, block_v=16, dtype=torch.float32, tiles_per_program=2,
+         num_stages=1),
     # ... or several programs per head of several tiles each (arrival counter), 1 stage
     Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=4, dtype=torch.float32, tiles_per_program=2,
          num_stages=1, num_warps=8),
@@ -290,8 +295,8 @@ BAD_INPUTS = [
     ("num_stages-0", lambda a: a.update(num_stages=0), "num_stages must be 1 to 3, got 0"),
     ("num_stages-4", lambda a: a.update(num_stages=4), "num_stages must be 1 to 3, got 4"),
     ("max_registers-300", lambda a: a.update(max_registers=300), "max_registers must be 24 to 255, got 300"),
-    ("pdl-on-cpu", lambda a: a.update(pdl=True), "pdl (programmatic dependent launch) needs a CUDA GPU of compute "
-     "capability 9.0 or newer, got cpu"),
+    ("pdl-on-cpu", lambda a: a.update(pdl=True),
+     "pdl (programmatic dependent launch) needs a CUDA GPU of compute capability 9.0 or newer, got cpu"),
 ]
 
 
@@ -362,6 +367,22 @@ def test_default_launch_config(target: str) -> None:
         assert config.programs_per_head(K3_HEAD_DIM) == K3_HEAD_DIM // bv
     assert kda.launch_config(1, 2, 16, 16, units).evict_state is False  # a whole row, but only 16 wide
     assert kda.launch_config(256, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, evict_state=False).evict_state is False
+
+
+def test_whole_rows_as_two_tiles_under_pdl() -> None:
+    """Under PDL a head's whole row is two half-width tiles, both in flight (an H200 at
+    batch 64: 32.1 -> 31.0 us); narrow tiles and given choices are left alone."""
+    units = aot.TARGETS["sm_90"].compute_units
+    for batch in (8, 64, 256):
+        config = kda.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True)
+        assert (config.block_v, config.tiles_per_program, config.num_stages, config.pdl) == (64, 2, 2, True), batch
+        assert config.programs_per_head(K3_HEAD_DIM) == 1
+        assert config.evict_state == (batch == 8)  # still a whole row for the hint's rule
+    narrow = kda.launch_config(1, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True)
+    assert (narrow.block_v, narrow.tiles_per_program) == (16, 1)
+    given = kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True, block_v=128)
+    assert (given.block_v, given.tiles_per_program) == (128, 1)
+    assert kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units).tiles_per_program == 1  # no PDL
 
 
 def test_tiles_per_program_plan() -> None:

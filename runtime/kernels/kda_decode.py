@@ -48,7 +48,7 @@ per program at K3, served from L2 after the first) and that two things need the 
   between launches and CUDA-graph replays need no memset). Cost per (b, h): one int32
   atomic per program plus one extra read and write of the DV outputs (~0.5 KB at K3, about
   0.4% of the 128 KiB of state traffic). With one program per head there is no counter: it
-  normalises its own row (in registers if that row is one tile, BV == DV).
+  normalises its own row (in registers if that row is one or two tiles).
 - The q/k conv states must be updated exactly once, yet every program reads the old ones.
   The last-arriving program writes them (re-reading the old ones and this token's q and k,
   ~2 KB from L2, rather than keeping the conv windows in registers all along): when it has
@@ -130,6 +130,7 @@ __all__ = [
     "MAX_BLOCK_V",
     "MAX_TILES_PER_PROGRAM",
     "MIN_BLOCK_V",
+    "WHOLE_ROW_TILES",
     "LaunchConfig",
     "aot_signature",
     "bytes_moved",
@@ -150,6 +151,8 @@ MIN_BLOCK_V = 16
 """Narrowest value tile the launcher picks by itself (a smaller one may be passed)."""
 MAX_TILES_PER_PROGRAM = 1
 """Most value tiles per program the launcher picks by itself (see choose_tiles_per_program)."""
+WHOLE_ROW_TILES = 2
+"""Tiles a head's whole row is cut into under programmatic dependent launch (see launch_config)."""
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -213,12 +216,17 @@ def _shift_conv_state(x_ptr, conv_state_ptr, channels, cols, K: tl.constexpr):
 
 
 @triton.jit
-def _gated_rms_norm_store(o, gate, weight, out_ptrs, eps, DV: tl.constexpr):
-    """out = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(gate); o is a whole head row, gate
-    and weight its loaded output-gate logits and norm weight."""
-    rstd = tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
+def _gated_store(o, rstd, gate, weight, out_ptrs):
+    """out = o * rstd * weight * sigmoid(gate) for some columns of a head row (gate and weight
+    their loaded output-gate logits and norm weight)."""
     y = o * rstd * weight.to(tl.float32) * tl.sigmoid(gate.to(tl.float32))
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty))
+
+
+@triton.jit
+def _gated_rms_norm_store(o, gate, weight, out_ptrs, eps, DV: tl.constexpr):
+    """out = o * rsqrt(mean(o^2) + eps) * weight * sigmoid(gate); o is a whole head row."""
+    _gated_store(o, tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps), gate, weight, out_ptrs)
 
 
 @triton.jit
@@ -305,7 +313,7 @@ def kda_decode_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (CUDA sm_90+): wait for the previous kernel
 ):
     SPLIT: tl.constexpr = DV // (BV * NT)  # programs per head
-    DIRECT: tl.constexpr = SPLIT == 1 and NT == 1  # one program and one tile per head: o stays in registers
+    DIRECT: tl.constexpr = SPLIT == 1 and NT <= 2  # one program per head, o of its 1-2 tiles kept in registers
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
@@ -340,8 +348,11 @@ def kda_decode_kernel(
     dt_bias = tl.load(dt_bias_ptr + qk_channels)
     a_log = tl.load(a_log_ptr + i_h).to(tl.float32)
     all_v = tl.arange(0, DV)
-    if DIRECT:
-        norm_weight = tl.load(norm_weight_ptr + all_v)
+    tile_v = tl.arange(0, BV)
+    if DIRECT:  # the norm weight of this program's tiles (first == 0: its head's whole row)
+        norm_w0 = tl.load(norm_weight_ptr + tile_v)
+        if NT == 2:
+            norm_w1 = tl.load(norm_weight_ptr + BV + tile_v)
     # Everything read so far (slots, states, weights) no kernel of the decode step writes
     # just before this one; what follows (this token's projections) the previous kernel
     # may still be writing. Under programmatic dependent launch this program may start
@@ -359,7 +370,9 @@ def kda_decode_kernel(
     beta_logit = tl.load(beta_ptr + i_b * H + i_h).to(tl.float32)
     gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
     if DIRECT:
-        gate = tl.load(gate_row + all_v)
+        gate0 = tl.load(gate_row + tile_v)
+        if NT == 2:
+            gate1 = tl.load(gate_row + BV + tile_v)
     tl.debug_barrier()
     q, q_window = _conv_apply(tl.load(q_ptr + i_b * (H * D) + qk_channels), q_stored, q_w, cols, K)
     k, k_window = _conv_apply(tl.load(k_ptr + i_b * (H * D) + qk_channels), k_stored, k_w, cols, K)
@@ -398,11 +411,22 @@ def kda_decode_kernel(
             s, v_x = b2, v2
         o = _value_tile(s, v_x, _tile_ptrs(head_state, dk, first + t, DV, BV), first + t, decay, q, k, beta,
                         beta_kq, v_conv_state_row, out_ptr + row, cols, BV, K, STATE_EVICT, not DIRECT)
+        if t == 0:
+            o0 = o
+        else:
+            o1 = o
 
-    # 4. Gated RMSNorm over the whole head row: from registers (one tile per head), by the
-    #    head's only program after its tiles, or by the last of its programs to arrive.
+    # 4. Gated RMSNorm over the whole head row: from registers (one program per head of one
+    #    or two tiles), by the head's only program after its tiles, or by the last of its
+    #    programs to arrive.
     if DIRECT:
-        _gated_rms_norm_store(o, gate, norm_weight, out_ptr + row + all_v, eps, DV)
+        sum_sq = tl.sum(o0 * o0, axis=0)
+        if NT == 2:
+            sum_sq += tl.sum(o1 * o1, axis=0)
+        rstd = tl.rsqrt(sum_sq / DV + eps)
+        _gated_store(o0, rstd, gate0, norm_w0, out_ptr + row + tile_v)
+        if NT == 2:
+            _gated_store(o1, rstd, gate1, norm_w1, out_ptr + row + BV + tile_v)
     elif SPLIT == 1:
         tl.debug_barrier()  # every thread's o stores precede the reads of the whole row
         o_row = tl.load(out_ptr + row + all_v).to(tl.float32)
@@ -509,12 +533,23 @@ def launch_config(
     two programs per CU (module docstring), no register cap). Raises ValueError on a
     choice the kernel cannot run.
 
+    With ``pdl`` and neither ``block_v`` nor ``tiles_per_program`` given, a program that
+    would take a head's whole row as one tile takes it as two tiles of half the width,
+    both in flight (``WHOLE_ROW_TILES``): it updates and stores the first while the second
+    may still arrive, and keeps both halves of o in registers for the norm. On an H200
+    under PDL: batch 64 32.1 -> 31.0 us, batch 256 112.7-113.0 -> 111.4-111.7; without
+    PDL batch 64 was 0.4 us slower that way, so one tile stays the plan there.
+
     ``num_stages``: how many of its value tiles a program has in flight, each in its own
     registers: the first ``num_stages`` are read with the conv inputs, and tile t+num_stages-1
     is read before tile t is updated (1: no read ahead). It only matters with several tiles
     per program (with one it is 1). These are the kernel's own stages: the tile loop is
     unrolled, so Triton's pipeliner (its ``num_stages``, which would stage tiles through
     shared memory and pick a layout that converts every tile) has no loop to work on."""
+    if block_v is None and tiles_per_program is None and pdl:
+        block_v = choose_block_v(batch, heads, head_dim_v, compute_units)
+        if block_v == head_dim_v and head_dim_v >= 2 * MIN_BLOCK_V:
+            block_v, tiles_per_program = head_dim_v // WHOLE_ROW_TILES, WHOLE_ROW_TILES
     if block_v is None:
         block_v = choose_block_v(batch, heads, head_dim_v, compute_units)
     if not (_is_power_of_two(block_v) and block_v <= head_dim_v):
