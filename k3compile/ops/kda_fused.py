@@ -41,7 +41,7 @@ Implementations:
   norm_weight, and power-of-two D and DV; small parameters in another dtype are cast here.
   On CUDA GPUs of compute capability 9.0 or newer it launches with programmatic dependent
   launch (the kernel reads its state while the projection before it finishes; H200:
-  33.7 -> 32.0 us at batch 64, BENCHMARKS.md) unless it had to cast a weight, whose copy
+  33.0 -> 30.9 us at batch 64, BENCHMARKS.md) unless it had to cast a weight, whose copy
   the launch just before wrote.
 - fake: ``[B, H, DV]`` like v.
 

@@ -80,8 +80,9 @@ reads its slot, its state tile, the conv states and the weights, then waits for 
 kernel (``griddepcontrol.wait``) before reading this token's projections, which that
 kernel may be writing, and writes nothing before the wait. So the state's first round trip
 and the launch overlap the previous kernel's tail, which matters most where a step is a
-few waves of programs: on an H200 at batch 64 33.7 -> 32.0 us after another step, 34.7 ->
-32.5 us after the q projection's GEMM (``benchmarks/kda_decode_pieces.py``). The caller
+few waves of programs: on an H200 at batch 64 33.0 -> 30.9 us after another step (with
+``launch_config``'s plan under PDL, a row as two tiles), 35.1 -> 32.0 us after the q
+projection's GEMM (``benchmarks/kda_decode_pieces.py``). The caller
 promises that the kernel just before writes neither the states, the slots nor the
 weights (``k3::kda_decode_fused`` checks it for the weights it casts).
 
