@@ -427,6 +427,7 @@ AOT_PLANS = (
     (16, 1, 1, None, True), (32, 1, 1, None, True), (128, 1, 1, None, True), (8, 1, 1, 1, False), (16, 1, 1, 1, False),
     (32, 2, 2, None, False), (32, 4, 2, None, False), (32, 4, 3, None, False), (16, 8, 2, 4, False),
     (16, 8, 3, 4, False), (16, 8, 2, 2, False), (64, 2, 2, 8, False),
+    (64, 2, 2, 4, False),  # a head's row as two tiles: the plan under PDL on sm_90
 )
 
 
