@@ -379,13 +379,18 @@ def pdl_plans() -> list[dict[str, object]]:
     """Programmatic dependent launch on whole rows and tile 64, with the warps and register
     caps that decide how many programs an SM holds: whole rows on 4 warps need 198 registers
     (2 programs per SM), on 8 warps 141 (1 program; 2 at 128 or fewer), tile 64 on 4 warps 125
-    (4 programs)."""
+    (4 programs). And a head's row as several tiles per program, all in flight: two of 64
+    (the launcher's plan under PDL) or four of 32."""
     plans: list[dict[str, object]] = [{"pdl": True}]
     for bv, warps, caps in ((128, 4, (None, 168)), (128, 8, (None, 128, 120)), (64, 4, (None, 96))):
         for cap in caps:
             for pdl in (False, True):
                 plan = {"block_v": bv, "tiles_per_program": 1, "num_warps": warps, "pdl": pdl}
                 plans.append(plan if cap is None else {**plan, "max_registers": cap})
+    for bv, tiles, stages in ((64, 2, 2), (32, 4, 3), (32, 4, 2)):
+        for pdl in (False, True):
+            plans.append({"block_v": bv, "tiles_per_program": tiles, "num_stages": stages, "num_warps": 4,
+                          "pdl": pdl})
     return plans
 
 

@@ -32,6 +32,7 @@ two.) Prints one line per measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -152,9 +153,7 @@ def check_pdl_in_graphs(batch: int, slot_sets: torch.Tensor, device: torch.devic
     """The launcher's PDL plan against the same plan without PDL: bit for bit."""
     base = make_problem(batch, 512, device, seed=batch)
     units = torch.cuda.get_device_properties(device).multi_processor_count
-    config = launch_config(batch, HEADS, HEAD_DIM, HEAD_DIM, units, pdl=True)
-    plan = {"block_v": config.block_v, "tiles_per_program": config.tiles_per_program,
-            "num_stages": config.num_stages, "num_warps": config.num_warps, "evict_state": config.evict_state}
+    plan = dataclasses.asdict(launch_config(batch, HEADS, HEAD_DIM, HEAD_DIM, units, pdl=True))  # launch keywords
     for gemm in (None, q_projection(batch, device)):
         plain = graph_outputs(with_own_states(base), slot_sets, {**plan, "pdl": False}, gemm)
         with_pdl = graph_outputs(with_own_states(base), slot_sets, {**plan, "pdl": True}, gemm)
