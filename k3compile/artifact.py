@@ -92,7 +92,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-_CHECKPOINT_DTYPES = ("bf16", "f32")
+_CHECKPOINT_DTYPES = ("bf16", "f32", "u8")
 _PICKLE_PROTO = b"\x80"
 _ZIP_MAGIC = b"PK\x03\x04"
 

@@ -24,6 +24,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 LayerKind = Literal["kda", "mla"]
+ExpertFormat = Literal["bf16", "mxfp4"]
+EXPERT_FORMATS: tuple[str, ...] = ("bf16", "mxfp4")
+
+#: ``quantization_config`` of a checkpoint whose routed experts are MXFP4 (compressed-tensors'
+#: ``mxfp4-pack-quantized``: E2M1 codes + one E8M0 scale per 32 input values).
+MXFP4_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "config_groups": {
+        "routed_experts": {
+            "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
+            "weights": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "e8m0"},
+        }
+    },
+}
 
 
 class ConfigError(ValueError):
@@ -92,6 +107,10 @@ class K3Config:
     pad_token_id: int
     checkpoint_prefix: str = ""  # "language_model." for kimi_k3 checkpoints
     moe_layer_freq: int = 1  # optional in config.json; K3 has 1 (every layer past the dense ones)
+    #: How the checkpoint stores the routed experts: "mxfp4" (``quantization_config`` says
+    #: ``mxfp4-pack-quantized``; the safetensors index has the last word, see
+    #: k3compile.checkpoint.loader.stored_expert_format) or "bf16".
+    expert_format: ExpertFormat = "bf16"
 
     # ----- derived quantities -------------------------------------------------
     @property
@@ -216,7 +235,9 @@ def _get_layer_list(d: dict[str, Any], key: str, where: str, path: str) -> tuple
     return tuple(value)
 
 
-def parse_text_config(d: dict[str, Any], path: str, where: str = "", checkpoint_prefix: str = "") -> K3Config:
+def parse_text_config(
+    d: dict[str, Any], path: str, where: str = "", checkpoint_prefix: str = "", expert_format: ExpertFormat = "bf16"
+) -> K3Config:
     """Build a validated :class:`K3Config` from the language-model part of config.json."""
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: '{where.rstrip('.') or 'config'}' must be an object")
@@ -231,9 +252,23 @@ def parse_text_config(d: dict[str, Any], path: str, where: str = "", checkpoint_
         kda_layers=_get_layer_list(lin, "kda_layers", lwhere, path),
     )
     freq = _get(d, "moe_layer_freq", int, where, path) if "moe_layer_freq" in d else 1
-    cfg = K3Config(linear_attn=kda, checkpoint_prefix=checkpoint_prefix, moe_layer_freq=freq, **values)
+    cfg = K3Config(linear_attn=kda, checkpoint_prefix=checkpoint_prefix, moe_layer_freq=freq,
+                   expert_format=expert_format, **values)
     validate(cfg, path, where)
     return cfg
+
+
+def _quantization_format(raw: dict[str, Any], path: str) -> ExpertFormat:
+    """The routed experts' format declared by ``quantization_config`` (top level, or the
+    text config's): "mxfp4" for compressed-tensors' ``mxfp4-pack-quantized``, else "bf16"."""
+    for d in (raw, raw.get("text_config")):
+        q = d.get("quantization_config") if isinstance(d, dict) else None
+        if q is None:
+            continue
+        if not isinstance(q, dict):
+            raise ConfigError(f"{path}: field 'quantization_config' must be an object")
+        return "mxfp4" if q.get("format") == "mxfp4-pack-quantized" else "bf16"
+    return "bf16"
 
 
 def load_config(model_dir: str | Path) -> K3Config:
@@ -251,9 +286,10 @@ def load_config(model_dir: str | Path) -> K3Config:
     if model_type == "kimi_k3":
         if "text_config" not in raw:
             raise ConfigError(f"{path}: missing field 'text_config' (model_type is kimi_k3)")
-        return parse_text_config(raw["text_config"], str(path), "text_config.", "language_model.")
+        return parse_text_config(raw["text_config"], str(path), "text_config.", "language_model.",
+                                 _quantization_format(raw, str(path)))
     if model_type == "kimi_linear":
-        return parse_text_config(raw, str(path), "", "")
+        return parse_text_config(raw, str(path), "", "", _quantization_format(raw, str(path)))
     raise ConfigError(f"{path}: field 'model_type' must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
 
 
@@ -267,15 +303,17 @@ def config_to_hf_dict(cfg: K3Config) -> dict[str, Any]:
     text["moe_layer_freq"] = cfg.moe_layer_freq
     text["model_type"] = "kimi_linear"
     text["architectures"] = ["KimiLinearForCausalLM"]
+    quantization = {"quantization_config": MXFP4_QUANTIZATION_CONFIG} if cfg.expert_format == "mxfp4" else {}
     if cfg.checkpoint_prefix == "language_model.":
         return {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
             "text_config": text,
+            **quantization,
         }
     if cfg.checkpoint_prefix:
         raise ConfigError(f"unknown checkpoint prefix {cfg.checkpoint_prefix!r}")
-    return text
+    return {**text, **quantization}
 
 
 # ---------------------------------------------------------------------------
@@ -335,10 +373,12 @@ def validate(cfg: K3Config, path: str, where: str = "") -> None:
         fail("moe_layer_freq", f"must be >= 1, got {cfg.moe_layer_freq}")
     if cfg.first_k_dense_replace < 0 or cfg.first_k_dense_replace > cfg.num_hidden_layers:
         fail("first_k_dense_replace", f"must be in [0, num_hidden_layers], got {cfg.first_k_dense_replace}")
+    if cfg.expert_format not in EXPERT_FORMATS:
+        raise ConfigError(f"{path}: expert format must be one of {', '.join(EXPERT_FORMATS)}, got {cfg.expert_format!r}")
     for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
-        if getattr(cfg, key) % 32:
+        if cfg.expert_format == "mxfp4" and getattr(cfg, key) % 32:
             # mxfp4 experts quantise in groups of 32 along each input dim.
-            fail(key, f"must be a multiple of 32 (mxfp4 groups), got {getattr(cfg, key)}")
+            fail(key, f"must be a multiple of 32 with mxfp4 experts (one scale per 32 values), got {getattr(cfg, key)}")
 
     lin = cfg.linear_attn
     lw = "linear_attn_config."
@@ -400,6 +440,8 @@ def _preset(
     latent: int,
     block: int,
     prefix: str = "language_model.",
+    expert_format: ExpertFormat = "bf16",
+    max_positions: int | None = None,
 ) -> K3Config:
     full, kda = _k3_layers(layers, mla_every)
     cfg = K3Config(
@@ -444,21 +486,22 @@ def _preset(
             full_attn_layers=full,
             kda_layers=kda,
         ),
-        max_position_embeddings=1048576 if vocab == 163840 else 4096,
+        max_position_embeddings=max_positions or (1048576 if vocab == 163840 else 4096),
         bos_token_id=vocab - 256 if vocab > 512 else 1,
         eos_token_id=vocab - 254 if vocab > 512 else 2,
         pad_token_id=vocab - 1,
         checkpoint_prefix=prefix,
+        expert_format=expert_format,
     )
     validate(cfg, "<preset>")
     return cfg
 
 
-#: The real Kimi K3 text backbone (K3_ARCHITECTURE.md section 2).
+#: The real Kimi K3 text backbone (K3_ARCHITECTURE.md section 2); its routed experts are MXFP4.
 K3 = _preset(
     hidden=7168, layers=93, mla_every=4, heads=96, kda_heads=96, kda_head_dim=128,
     q_lora=1536, kv_lora=512, nope=128, rope=64, vocab=163840, dense_inter=33792,
-    experts=896, topk=16, moe_inter=3072, latent=3584, block=12,
+    experts=896, topk=16, moe_inter=3072, latent=3584, block=12, expert_format="mxfp4",
 )
 
 PRESETS: dict[str, K3Config] = {
@@ -482,7 +525,33 @@ PRESETS: dict[str, K3Config] = {
         q_lora=32, kv_lora=32, nope=16, rope=8, vocab=512, dense_inter=128,
         experts=8, topk=2, moe_inter=128, latent=32, block=4, prefix="",
     ),
+    # One TP8 rank of K3 at TP1: every parameter has the local shape it has on a rank of
+    # PRESETS["k3"] at tp=8 (96/8 = 12 MLA and 12 KDA heads, dense 33792/8, experts and
+    # shared experts 3072/8 and 6144/8, vocab 163840/8: the vocab-parallel rows), so
+    # kernels and passes run on real per-rank shapes without a multi-GPU host. 4 layers
+    # by default (KDA + dense MLP, KDA, KDA, MLA; with_layers gives other depths).
+    "k3-tp8-rank": _preset(
+        hidden=7168, layers=4, mla_every=4, heads=12, kda_heads=12, kda_head_dim=128,
+        q_lora=1536, kv_lora=512, nope=128, rope=64, vocab=20480, dense_inter=4224,
+        experts=896, topk=16, moe_inter=384, latent=3584, block=12, expert_format="mxfp4",
+        max_positions=1048576,
+    ),
 }
+
+
+def with_layers(cfg: K3Config, num_layers: int) -> K3Config:
+    """``cfg`` with ``num_layers`` layers laid out by its own rule: MLA every
+    ``full_attn_layers[0]`` layers (1-based) plus the last layer, the rest KDA. Everything
+    else (widths, dense layers, expert format) is kept; the result is validated."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"number of layers must be a positive integer, got {num_layers!r}")
+    lin = cfg.linear_attn
+    if not lin.full_attn_layers:
+        raise ConfigError("cannot choose the layer kinds: the config has no MLA layer "
+                          "(full_attn_layers is empty), so it follows no MLA period")
+    full, kda = _k3_layers(num_layers, lin.full_attn_layers[0])
+    lin = dataclasses.replace(lin, full_attn_layers=full, kda_layers=kda)
+    return cfg.replace(num_hidden_layers=num_layers, linear_attn=lin)
 
 
 def get_preset(name: str) -> K3Config:

@@ -21,10 +21,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-CheckpointDType = Literal["bf16", "f32"]
+CheckpointDType = Literal["bf16", "f32", "u8"]
 
-#: The torch dtype of each checkpoint storage dtype.
-CHECKPOINT_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32}
+#: The torch dtype of each checkpoint storage dtype ("u8": MXFP4 codes and scales).
+CHECKPOINT_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f32": torch.float32, "u8": torch.uint8}
 
 
 class ShardingError(ValueError):
@@ -145,10 +145,6 @@ class ShardSpec:
                 f"{self.names[0]}: dim {self.dim} of size {extent} does not divide by tp={plan.tp}"
             )
         block = extent // plan.tp
-        if self.quantized and self.dim == len(self.shape) - 1 and block % 32:
-            raise ShardingError(
-                f"{self.names[0]}: mxfp4 input dim split into blocks of {block}, not a multiple of 32"
-            )
         return plan.rank * block, (plan.rank + 1) * block
 
     def local_index(self, plan: ParallelPlan) -> tuple[slice, ...]:
@@ -167,8 +163,9 @@ class ShardSpec:
         return (len(self.names), *shape) if self.stacked else tuple(shape)
 
     def param_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """F32 checkpoint tensors (o_norm, A_log, dt_bias, conv, router bias) stay fp32."""
-        return torch.float32 if self.dtype == "f32" else model_dtype
+        """F32 checkpoint tensors (o_norm, A_log, dt_bias, conv, router bias) stay fp32 and
+        U8 ones (MXFP4 codes and scales) stay bytes; BF16 ones take the model dtype."""
+        return model_dtype if self.dtype == "bf16" else CHECKPOINT_TORCH_DTYPES[self.dtype]
 
     @property
     def placement(self) -> Placement:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import k3compile  # noqa: F401  (registers torch.ops.k3)
+from k3compile.checkpoint.mxfp4 import pack_mxfp4
 
 k3 = torch.ops.k3
 
@@ -119,6 +120,31 @@ def test_sigmoid_topk_route_bias_selects_only():
     assert sorted(w_raw[0].tolist()) == pytest.approx(sorted([s[0].item(), s[2].item()]))
 
 
+def _packed(experts: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 codes and scales of a random [experts, rows, cols] weight."""
+    return pack_mxfp4(torch.randn(experts, rows, cols))
+
+
+def test_sigmoid_topk_route_breaks_ties_to_the_lower_expert():
+    logits = torch.tensor([[0.5, 1.0, 0.5, 1.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    _, ids = k3.sigmoid_topk_route(logits, torch.zeros(5), 3, True, 1.0)
+    assert ids.tolist() == [[1, 3, 0], [0, 1, 2]]  # by decreasing score, equal scores by id
+
+
+def test_moe_experts_mxfp4_equals_the_dense_op_on_dequantised_weights():
+    from k3compile.checkpoint.mxfp4 import unpack_mxfp4
+
+    gen = torch.Generator().manual_seed(4)
+    T, D, I, E, k = 5, 64, 32, 6, 2
+    weights = [_packed(E, I, D), _packed(E, I, D), _packed(E, D, I)]
+    z = torch.randn(T, D, generator=gen)
+    ids = torch.tensor([[0, 5], [5, 0], [2, 3], [3, 3 - 1], [4, 1]])
+    w = torch.rand(T, k, generator=gen)
+    packed = k3.moe_experts_mxfp4(z, w, ids, *weights[0], *weights[1], *weights[2], 4.0, 25.0)
+    dense = k3.moe_experts(z, w, ids, *(unpack_mxfp4(p, s, torch.float32) for p, s in weights), 4.0, 25.0)
+    assert torch.equal(packed, dense) and packed.abs().max() > 0
+
+
 def test_moe_experts_equals_dense_mixture():
     gen = torch.Generator().manual_seed(3)
     T, D, I, E, k = 6, 8, 12, 5, 2
@@ -180,6 +206,8 @@ def test_rms_norm():
         ("sigmoid_topk_route", lambda: (torch.randn(3, 6), torch.randn(6), 2, True, 1.0)),
         ("moe_experts", lambda: (torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 3]]),
                                  torch.randn(4, 6, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 6), 4.0, 25.0)),
+        ("moe_experts_mxfp4", lambda: (torch.randn(3, 32), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 3]]),
+                                       *_packed(4, 64, 32), *_packed(4, 64, 32), *_packed(4, 32, 64), 4.0, 25.0)),
         ("mla_cache_write", lambda: (torch.zeros(2, 4, 6), torch.randn(3, 6), torch.tensor([0, 5, 7]))),
         ("mla_decode", lambda: (torch.randn(2, 2, 6), torch.randn(3, 4, 6), torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
                                 torch.tensor([5, 3], dtype=torch.int32), 0.5, 4)),

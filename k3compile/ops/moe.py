@@ -3,11 +3,21 @@
 ``k3::sigmoid_topk_route``: s = sigmoid(router logits); experts are *selected* by the
 top-k of s + e_score_correction_bias (the bias balances load and only affects
 selection); the weights are the unbiased s of the chosen experts, renormalised to sum
-to one (eps 1e-20) and multiplied by routed_scaling_factor.
+to one (eps 1e-20) and multiplied by routed_scaling_factor. The k ids of a token come
+in order of decreasing biased score; equal scores go to the lower expert id (a rule
+every kernel keeps, so that ties route the same everywhere).
 
 ``k3::moe_experts``: y = sum_k w_k * expert_{id_k}(z), each expert a SiTU-GLU MLP
 (w1 gate, w3 up, w2 down), accumulated in fp32. Under tensor parallelism every rank
 holds each expert's slice of the intermediate dim, so the result is a Partial sum.
+
+``k3::moe_experts_mxfp4``: the same function with the expert weights as the checkpoint
+stores them (``k3compile/checkpoint/mxfp4.py``): each of w1, w3, w2 as E2M1 codes packed
+two per byte (``[E, rows, cols / 2]``) and one E8M0 scale byte per 32 input values
+(``[E, rows, cols / 32]``). Its reference dequantises the experts the step picked (exact
+in bf16 and fp32) and runs ``k3::moe_experts``' reference on them, so on the CPU the two
+ops agree bit for bit; GPU kernels (``k3compile/runtime/kernels/moe.py``) dequantise in
+registers.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.checkpoint.mxfp4 import unpack_mxfp4
 from k3compile.ops.activations import situ_glu
 
 
@@ -23,7 +34,9 @@ def sigmoid_topk_route(
     logits: Tensor, correction_bias: Tensor, top_k: int, renormalize: bool, scaling: float
 ) -> tuple[Tensor, Tensor]:
     scores = torch.sigmoid(logits.float())
-    ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1).indices
+    # A stable descending sort: equal biased scores keep the lower expert id first.
+    order = torch.sort(scores + correction_bias.float(), dim=-1, descending=True, stable=True).indices
+    ids = order[..., :top_k].contiguous()
     weights = scores.gather(-1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -34,6 +47,30 @@ def sigmoid_topk_route(
 def _(logits: Tensor, correction_bias: Tensor, top_k: int, renormalize: bool, scaling: float):
     shape = (*logits.shape[:-1], top_k)
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+def _experts_reference(
+    z: Tensor, weights: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, beta: float, linear_beta: float
+) -> Tensor:
+    out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    if z.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph no host sync is allowed: visit every expert with a
+        # per-token weight that is zero where the token did not pick it.
+        for e in range(w1.shape[0]):
+            gate = (weights * (ids == e)).sum(-1, keepdim=True).float()
+            h = situ_glu(z @ w1[e].t(), z @ w3[e].t(), beta, linear_beta).to(z.dtype)
+            out += gate * (h @ w2[e].t()).float()
+        return out.to(z.dtype)
+    flat_ids = ids.reshape(-1)
+    token_of = torch.arange(z.shape[0], device=z.device).repeat_interleave(ids.shape[-1])
+    for e in torch.unique(flat_ids).tolist():
+        hit = flat_ids == e
+        tokens = token_of[hit]
+        x = z[tokens]
+        h = situ_glu(x @ w1[e].t(), x @ w3[e].t(), beta, linear_beta).to(z.dtype)
+        y = (h @ w2[e].t()).float()
+        out.index_add_(0, tokens, y * weights.reshape(-1)[hit].unsqueeze(-1).float())
+    return out.to(z.dtype)
 
 
 @torch.library.custom_op("k3::moe_experts", mutates_args=())
@@ -48,25 +85,7 @@ def moe_experts(
     situ_linear_beta: float,
 ) -> Tensor:
     """z [T, D], weights/ids [T, k], w1/w3 [E, I, D], w2 [E, D, I] -> [T, D] in z.dtype."""
-    out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-    if z.is_cuda and torch.cuda.is_current_stream_capturing():
-        # Inside a CUDA graph no host sync is allowed: visit every expert with a
-        # per-token weight that is zero where the token did not pick it.
-        for e in range(w1.shape[0]):
-            gate = (weights * (ids == e)).sum(-1, keepdim=True).float()
-            h = situ_glu(z @ w1[e].t(), z @ w3[e].t(), situ_beta, situ_linear_beta).to(z.dtype)
-            out += gate * (h @ w2[e].t()).float()
-        return out.to(z.dtype)
-    flat_ids = ids.reshape(-1)
-    token_of = torch.arange(z.shape[0], device=z.device).repeat_interleave(ids.shape[-1])
-    for e in torch.unique(flat_ids).tolist():
-        hit = flat_ids == e
-        tokens = token_of[hit]
-        x = z[tokens]
-        h = situ_glu(x @ w1[e].t(), x @ w3[e].t(), situ_beta, situ_linear_beta).to(z.dtype)
-        y = (h @ w2[e].t()).float()
-        out.index_add_(0, tokens, y * weights.reshape(-1)[hit].unsqueeze(-1).float())
-    return out.to(z.dtype)
+    return _experts_reference(z, weights, ids, w1, w3, w2, situ_beta, situ_linear_beta)
 
 
 @moe_experts.register_fake
@@ -74,27 +93,70 @@ def _(z, weights, ids, w1, w3, w2, situ_beta, situ_linear_beta):
     return torch.empty_like(z)
 
 
+@torch.library.custom_op("k3::moe_experts_mxfp4", mutates_args=())
+def moe_experts_mxfp4(
+    z: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w1_packed: Tensor,
+    w1_scale: Tensor,
+    w3_packed: Tensor,
+    w3_scale: Tensor,
+    w2_packed: Tensor,
+    w2_scale: Tensor,
+    situ_beta: float,
+    situ_linear_beta: float,
+) -> Tensor:
+    """z [T, D], weights/ids [T, k]; w1/w3 packed [E, I, D/2] + scales [E, I, D/32], w2 packed
+    [E, D, I/2] + scales [E, D, I/32] (uint8) -> [T, D] in z.dtype."""
+    if z.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "k3::moe_experts_mxfp4: the torch reference picks experts on the host and cannot run inside a "
+            "CUDA graph; register the GPU kernels first (k3compile.runtime.kernels.moe.register_cuda_kernels)"
+        )
+    picked, local_ids = torch.unique(ids, return_inverse=True)  # dequantise only what the step uses
+
+    def dense(packed: Tensor, scale: Tensor) -> Tensor:
+        return unpack_mxfp4(packed[picked], scale[picked], z.dtype)
+
+    w1, w3, w2 = dense(w1_packed, w1_scale), dense(w3_packed, w3_scale), dense(w2_packed, w2_scale)
+    return _experts_reference(z, weights, local_ids, w1, w3, w2, situ_beta, situ_linear_beta)
+
+
+@moe_experts_mxfp4.register_fake
+def _(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, situ_beta, situ_linear_beta):
+    return torch.empty_like(z)
+
+
 # Placement (k3compile.placement). Routing works on whole rows of expert scores (4 FLOPs
 # per logit: sigmoid, bias add, top-k, weights). The experts are split on their
-# intermediate dim (w1/w3 [E, I, D] on I, w2 [E, D, I] on I): each rank's SiTU-MLPs give
-# a partial sum of the down projection, hence Partial.
+# intermediate dim (w1/w3 [E, I, D] on I, w2 [E, D, I] on I, and the packed codes and
+# scales of each along the same dim): each rank's SiTU-MLPs give a partial sum of the down
+# projection, hence Partial.
 from k3compile.placement import Cost, CostCall, register_op_rules, rowwise, split  # noqa: E402
 from k3compile.sharding import Partial  # noqa: E402
 
 
-def _moe_experts_cost(call: CostCall) -> Cost:
+def _experts_cost(call: CostCall, w1: str, weight_args: tuple[str, ...]) -> Cost:
     """2*3*T*top_k*I*D (three GEMVs per routed token; I = this rank's intermediate);
-    bytes: activations plus the weights of the experts touched (at most T*top_k)."""
-    T, D = call.shape("z")
+    bytes: activations plus the weights of the experts touched (at most T*top_k), in the
+    format the op reads them."""
+    T, _ = call.shape("z")
     top_k = call.size("ids", -1)
-    E, I = call.size("w1", 0), call.size("w1", 1)
-    touched = min(E, T * top_k) * 3 * I * D * call.itemsize("w1")
+    E, I = call.size(w1, 0), call.size(w1, 1)
+    D = call.size("z", 1)
+    per_expert = sum(call.nbytes(a) for a in weight_args) // E
+    touched = min(E, T * top_k) * per_expert
     act = call.nbytes("z") + call.nbytes("weights") + call.nbytes("ids") + call.out_bytes()
     return Cost(2 * 3 * T * top_k * I * D, act + touched)
 
 
+_PACKED = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
 register_op_rules({
     sigmoid_topk_route: rowwise("logits", flops_per_element=4),
     moe_experts: split({"w1": 1, "w3": 1, "w2": 2}, out=Partial(), what="expert intermediate",
-                       cost=_moe_experts_cost),
+                       cost=lambda call: _experts_cost(call, "w1", ("w1", "w3", "w2"))),
+    moe_experts_mxfp4: split({"w1_packed": 1, "w1_scale": 1, "w3_packed": 1, "w3_scale": 1, "w2_packed": 2,
+                              "w2_scale": 2}, out=Partial(), what="expert intermediate",
+                             cost=lambda call: _experts_cost(call, "w1_packed", _PACKED)),
 })
