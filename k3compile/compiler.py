@@ -14,8 +14,7 @@ import torch
 
 from k3compile.artifact import save_artifact
 from k3compile.capture import PHASES, CapturedModel, capture
-from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
-from k3compile.config import load_config
+from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter, load_checkpoint_config
 from k3compile.pipeline import PipelineOptions, PipelineResult, run_pipeline
 from k3compile.placement import propagate_placements
 from k3compile.sharding import ParallelPlan
@@ -93,7 +92,7 @@ def optimize(
     """Compile ``model_dir`` for ``options`` into the artifact directory ``out_dir``."""
     model_dir = Path(model_dir)
     say = on_step or (lambda _msg: None)
-    cfg = load_config(model_dir)
+    cfg = load_checkpoint_config(model_dir)
     plan = ParallelPlan(options.tp, 0, options.dcp, options.dcp_interleave)
     captured = capture(
         cfg, plan, DTYPES[options.dtype], options.block_size, PHASES, on_phase=lambda p: say(f"capture {p}")

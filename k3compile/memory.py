@@ -69,7 +69,8 @@ class MemoryEstimate:
 
 def weight_bytes_by_kind(program: ExportedProgram, specs: dict[str, ShardSpec]) -> dict[str, int]:
     """This rank's parameter bytes as the runtime holds them (the program's parameter
-    dtypes: mxfp4 experts are dequantised at load), by kind."""
+    dtypes: dense experts in the model dtype, or MXFP4 codes and scales after the
+    ``mxfp4_experts`` pass), by kind."""
     out = {kind: 0 for kind, _ in WEIGHT_KINDS}
     for spec_in in program.graph_signature.input_specs:
         if spec_in.kind != InputKind.PARAMETER:
@@ -134,10 +135,31 @@ class MemoryPlan:
     unchanged: list[str] = field(default_factory=list)  # passes that ran without changing memory
     hbm_bytes: int = 0  # the target's memory per GPU (0: unknown)
     program: ExportedProgram | None = None  # the decode program after the passes
+    specs: dict[str, ShardSpec] = field(default_factory=dict)  # its parameters' specs
 
     @property
     def final(self) -> MemoryEstimate:
         return self.stages[-1][1]
+
+    def routed_expert_format(self) -> str | None:
+        """How the final program holds the routed experts ("MXFP4 codes + scales" or the
+        dense dtype), or None without MoE layers."""
+        if self.program is None:
+            return None
+        for spec_in in self.program.graph_signature.input_specs:
+            if spec_in.kind != InputKind.PARAMETER:
+                continue
+            if weight_kind(self.specs[spec_in.target].names[0]) == "routed experts":
+                dtype = self.program.state_dict[spec_in.target].dtype
+                return "MXFP4 codes + scales (uint8)" if dtype == torch.uint8 else f"dense {dtype}"
+        return None
+
+    def after(self, pass_name: str) -> MemoryEstimate:
+        """The estimate right after ``pass_name``, a pass that changed memory."""
+        names = [name for name, _ in self.stages]
+        if pass_name not in names:
+            raise KeyError(f"pass {pass_name} changed no memory (or did not run)")
+        return self.stages[names.index(pass_name)][1]
 
     def saved_by(self, pass_name: str) -> int:
         """Bytes per GPU the pass saved (0 if it changed nothing)."""
@@ -172,7 +194,8 @@ def plan_memory(
         mla, kda = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences, options.block_size, split)
         return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), mla, kda)
 
-    result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program)
+    result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program,
+                        specs=captured.specs)
     from k3compile.passes import ALL_PASSES
 
     for name in names:

@@ -137,6 +137,59 @@ def reshard_parameter(ctx: PassContext, name: str, spec: ShardSpec) -> torch.fx.
     return node
 
 
+def _placeholder_of(program: ExportedProgram, name: str) -> torch.fx.Node | None:
+    """The graph placeholder of lifted input ``name`` (a parameter or buffer), or None."""
+    arg = next((s.arg.name for s in program.graph_signature.input_specs if s.target == name), None)
+    return next((n for n in program.graph.nodes if n.op == "placeholder" and n.name == arg), None)
+
+
+def add_parameter(ctx: PassContext, name: str, spec: ShardSpec, before: str) -> torch.fx.Node:
+    """A new parameter ``name`` holding this rank's slice of ``spec`` (in the spec's storage
+    dtype: MXFP4 codes stay bytes), placed in the signature just before parameter
+    ``before``. Updates the shared specs, the program's state dict and signature, and
+    gives the placeholder its fake value. Idempotent per program."""
+    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+    program = ctx.program
+    existing = _placeholder_of(program, name)
+    if existing is not None:
+        return existing
+    anchor = _placeholder_of(program, before)
+    if anchor is None:
+        raise PassError(f"{before} is not a parameter of the {ctx.phase} program")
+    dtype = spec.param_dtype(program.state_dict[before].dtype)
+    shape = spec.local_shape(ctx.plan)
+    with program.graph.inserting_before(anchor):
+        node = program.graph.placeholder("p_" + name.replace(".", "_"))
+    val = anchor.meta["val"]
+    with torch._guards.detect_fake_mode([val]):
+        node.meta["val"] = torch.empty(shape, dtype=dtype, device=val.device)
+    specs = program.graph_signature.input_specs
+    position = next(i for i, s in enumerate(specs) if s.target == before)
+    specs.insert(position, InputSpec(InputKind.PARAMETER, TensorArgument(node.name), name, persistent=None))
+    device = program.state_dict[before].device
+    program.state_dict[name] = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    ctx.specs[name] = spec
+    return node
+
+
+def remove_parameter(ctx: PassContext, name: str) -> None:
+    """Drop parameter ``name``, which no node may use any more, from the graph, the
+    signature, the state dict and the shared specs (a pass that replaced it calls this in
+    every phase; the specs entry goes with the first)."""
+    program = ctx.program
+    node = _placeholder_of(program, name)
+    if node is None:
+        raise PassError(f"{name} is not a parameter of the {ctx.phase} program")
+    if node.users:
+        raise PassError(f"parameter {name} is still used by {[u.name for u in node.users][:3]}")
+    program.graph.erase_node(node)
+    specs = program.graph_signature.input_specs
+    specs.pop(next(i for i, s in enumerate(specs) if s.target == name))
+    del program.state_dict[name]
+    ctx.specs.pop(name, None)
+
+
 def add_rank_constant(ctx: PassContext, name: str, offset: ShardOffset) -> torch.fx.Node:
     """A per-rank constant buffer ``name`` (this rank's ``offset`` value) as a graph input.
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from k3compile.batch import CacheShape, LayerCache, KDALayerCache, allocate_caches
-from k3compile.checkpoint.loader import load_weights
-from k3compile.config import K3Config, load_config
+from k3compile.checkpoint.loader import load_checkpoint_config, load_weights
+from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
 from k3compile.sequences import RequestError, Sequence, SequenceTable, generate_tokens
@@ -99,7 +99,7 @@ def load_reference(
     device: torch.device | str = "cpu",
 ) -> K3ForCausalLM:
     """Build the rank-local model for ``plan`` and load its slice of ``model_dir``."""
-    cfg = load_config(model_dir)
+    cfg = load_checkpoint_config(model_dir)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, plan, tp, dtype)
     model = model.to_empty(device=device)

@@ -32,7 +32,7 @@ class Target:
 
 
 # The mission's passes join these lists as they land (one file each in passes/).
-_COMMON_PASSES: tuple[str, ...] = ("remove_noops", "dedup_replicated_linear", "sink_copies")
+_COMMON_PASSES: tuple[str, ...] = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies")
 #: GPU targets also fuse single-token KDA into one kernel and pad attention heads to what
 #: their fast MLA decode kernel accepts.
 _GPU_PASSES: tuple[str, ...] = (*_COMMON_PASSES, "fuse_kda_decode", "pad_attention_heads")

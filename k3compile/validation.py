@@ -28,7 +28,7 @@ from torch.fx import GraphModule
 
 from k3compile.batch import CacheShape, KDALayerCache, allocate_caches
 from k3compile.capture import flatten_caches
-from k3compile.checkpoint.generate import random_tensor
+from k3compile.checkpoint.generate import stored_random_tensor
 from k3compile.config import K3Config
 from k3compile.context_parallel import ContextLayout, localize_step, mla_cache_indices, program_layout
 from k3compile.distributed import init_context_parallel
@@ -51,8 +51,9 @@ def random_parameters(
     seed: int = 0,
     constants: dict[str, ShardOffset] | None = None,
 ) -> dict[str, Tensor]:
-    """This rank's slice of the generator's random weights for every program parameter,
-    and its per-rank constant buffers."""
+    """This rank's slice of the generator's random weights for every program parameter (in
+    the storage its spec declares: MXFP4 experts as codes and scales), and its per-rank
+    constant buffers."""
     params: dict[str, Tensor] = {name: c.tensor(plan) for name, c in (constants or {}).items()}
     for spec_in in program.graph_signature.input_specs:
         if spec_in.kind != InputKind.PARAMETER:
@@ -60,7 +61,7 @@ def random_parameters(
         name = spec_in.target
         spec = specs[name]
         dtype = program.state_dict[name].dtype
-        parts = [random_tensor(cfg, n, spec, seed)[spec.local_index(plan)] for n in spec.names]
+        parts = [stored_random_tensor(cfg, n, spec, seed)[spec.local_index(plan)] for n in spec.names]
         params[name] = (torch.stack(parts) if spec.stacked else parts[0]).to(dtype).contiguous()
     return params
 

@@ -147,7 +147,7 @@ def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: b
              merge: str = "all-to-all"):
     """Float32 artifact; when validating, only the DCP pass runs (validation on gloo ranks
     after every pass is what makes these tests slow)."""
-    others = ("remove_noops", "dedup_replicated_linear", "sink_copies") if validate else ()
+    others = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies") if validate else ()
     options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dcp_merge=merge, dtype="float32",
                              validate=validate, disable=others)
     return optimize(model_dir, out, options, overwrite=True)

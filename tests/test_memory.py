@@ -47,7 +47,7 @@ def test_plan_tiny_tp2_counts_caches_and_the_dedup_saving():
     tp, context, seqs, block = 2, 100, 3, 16
     plan = plan_memory(cfg, MemoryOptions(tp=tp, target="cpu", context=context, sequences=seqs, block_size=block))
     assert [name for name, _ in plan.stages] == ["no passes", "dedup_replicated_linear"]
-    assert plan.unchanged == ["remove_noops", "sink_copies"]
+    assert plan.unchanged == ["remove_noops", "mxfp4_experts", "sink_copies"]
     before, after = plan.stages[0][1], plan.stages[1][1]
     up_bytes = _moe_layers(cfg) * cfg.hidden_size * cfg.routed_expert_hidden_size * 2
     assert plan.saved_by("dedup_replicated_linear") == up_bytes * (tp - 1) // tp
@@ -61,7 +61,7 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
     ok = runner.invoke(app, ["plan", "--preset", "tiny", "--tp", "2", "--target", "cpu", "--context", "64"])
     assert ok.exit_code == 0, ok.output
     assert "+ dedup_replicated_linear" in ok.stdout and "saved" in ok.stdout
-    assert "passes that ran without changing memory: remove_noops, sink_copies" in ok.stdout
+    assert "passes that ran without changing memory: remove_noops, mxfp4_experts, sink_copies" in ok.stdout
     errors = {
         ("--tp", "3"): "--tp 3:",
         ("--dcp", "3"): "--dcp 3: must be a divisor of --tp 2",

@@ -53,7 +53,8 @@ class ScaleLogits(GraphPass):
 
 def test_remove_noops_is_exact_and_shrinks_the_graph(captured):
     before = {p: count_ops(ep.graph_module) for p, ep in captured.programs.items()}
-    options = PipelineOptions(target="cpu", validate=True, disable=("dedup_replicated_linear", "sink_copies"))
+    options = PipelineOptions(target="cpu", validate=True,
+                              disable=("mxfp4_experts", "dedup_replicated_linear", "sink_copies"))
     result = run_pipeline(captured.programs, captured.config, captured.plan, captured.specs, options,
                           validator=TranslationValidator(constants=captured.constants))
     assert [r.pass_name for r in result.records] == ["remove_noops", "remove_noops"]
@@ -99,8 +100,9 @@ def test_random_step_inputs_are_valid_steps(captured):
 def test_resolve_passes_order_and_errors():
     target = get_target("mi355x")
     assert [p.name for p in resolve_passes(target, PipelineOptions(target="mi355x"))] == [
-        "remove_noops", "dedup_replicated_linear", "sink_copies", "fuse_kda_decode", "pad_attention_heads"]
-    off = PipelineOptions(target="mi355x", disable=("remove_noops", "dedup_replicated_linear", "sink_copies",
+        "remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies", "fuse_kda_decode",
+        "pad_attention_heads"]
+    off = PipelineOptions(target="mi355x", disable=("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies",
                                                     "fuse_kda_decode", "pad_attention_heads"))
     assert resolve_passes(target, off) == []
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
@@ -146,7 +148,7 @@ def test_validation_runs_across_ranks_at_tp2(monkeypatch):
     tp2 = capture(PRESETS["tiny"], ParallelPlan(tp=2, rank=0), torch.float32, phases=("decode",))
     validator = TranslationValidator(constants=tp2.constants)
     good = run_pipeline(copy.deepcopy(tp2.programs), tp2.config, tp2.plan, dict(tp2.specs),
-                        PipelineOptions(validate=True, disable=("dedup_replicated_linear", "sink_copies")),
+                        PipelineOptions(validate=True, disable=("mxfp4_experts", "dedup_replicated_linear", "sink_copies")),
                         validator=validator)
     (record,) = good.records
     assert record.result.changed and record.report.max_error == 0.0
@@ -155,6 +157,7 @@ def test_validation_runs_across_ranks_at_tp2(monkeypatch):
     monkeypatch.setitem(passes.ALL_PASSES, ScaleLogits.name, ScaleLogits)
     with pytest.raises(PassError, match="scale_logits changed the decode graph's numerics"):
         run_pipeline(tp2.programs, tp2.config, tp2.plan, dict(tp2.specs),
-                     PipelineOptions(enable=("scale_logits",), disable=("remove_noops", "dedup_replicated_linear", "sink_copies"),
+                     PipelineOptions(enable=("scale_logits",), disable=("remove_noops", "mxfp4_experts", "dedup_replicated_linear",
+                                                                               "sink_copies"),
                                      validate=True),
                      validator=validator)

@@ -16,6 +16,7 @@ the headers are read and checked, so configs far larger than memory can be valid
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from k3compile.checkpoint.mxfp4 import GROUP_SIZE, check_mxfp4_shapes, unpack_mxfp4
+from k3compile.checkpoint.mxfp4 import E8M0_NAN, GROUP_SIZE, check_mxfp4_shapes, unpack_mxfp4
+from k3compile.config import ExpertFormat, K3Config, load_config
 from k3compile.sharding import ParallelPlan, ShardSpec, shard_specs
 
 INDEX_FILE = "model.safetensors.index.json"
-_SAFETENSORS_DTYPES = {"bf16": "BF16", "f32": "F32"}
+_SAFETENSORS_DTYPES = {"bf16": "BF16", "f32": "F32", "u8": "U8"}
+_ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.(weight|weight_packed)$")
 
 
 class CheckpointError(ValueError):
@@ -99,6 +102,26 @@ class CheckpointReader:
             raise CheckpointError(f"tensor '{key}' is listed in the index but not found in {path}") from e
 
 
+def stored_expert_format(model_dir: str | Path, cfg: K3Config) -> ExpertFormat:
+    """How the checkpoint in ``model_dir`` stores its routed experts, read from the
+    safetensors index (it has the last word over ``quantization_config``): "mxfp4" when
+    they are ``weight_packed`` + ``weight_scale``, "bf16" when they are plain weights, the
+    config's own value when the model has no routed experts. A mix is an error."""
+    with CheckpointReader(model_dir, cfg.checkpoint_prefix) as reader:
+        kinds = {m.group(1) for name in reader.weight_map if (m := _ROUTED_EXPERT.search(name))}
+    if kinds == {"weight", "weight_packed"}:
+        raise CheckpointError(f"{reader.index_path}: some routed experts are MXFP4 (weight_packed) and some bf16")
+    if not kinds:
+        return cfg.expert_format
+    return "mxfp4" if kinds == {"weight_packed"} else "bf16"
+
+
+def load_checkpoint_config(model_dir: str | Path) -> K3Config:
+    """``model_dir``'s config with the experts' format as its safetensors index has them."""
+    cfg = load_config(model_dir)
+    return cfg.replace(expert_format=stored_expert_format(model_dir, cfg))
+
+
 def _read(reader: CheckpointReader, name: str, index: tuple[slice, ...], report: LoadReport) -> torch.Tensor:
     handle = reader.slice(name)
     try:
@@ -150,6 +173,11 @@ def read_local_tensor(
                 )
         if meta:
             return None
+        if spec.dim == 1 and rng is not None and rng[0] % GROUP_SIZE:
+            raise CheckpointError(
+                f"tensor '{reader.prefix}{base}': --tp {plan.tp} splits its input dim into slices of "
+                f"{rng[1] - rng[0]}, which cut its MXFP4 scale groups of {GROUP_SIZE}"
+            )
         if spec.dim == 1:  # split along the input dim: packed bytes and scale groups
             packed = _read(reader, packed_name, _dim_index(2, 1, rng, 2), report)
             scale = _read(reader, scale_name, _dim_index(2, 1, rng, GROUP_SIZE), report)
@@ -163,7 +191,13 @@ def read_local_tensor(
     _check_header(reader, name, spec.shape, _SAFETENSORS_DTYPES[spec.dtype])
     if meta:
         return None
-    return _read(reader, name, spec.local_index(plan), report).to(dtype)
+    value = _read(reader, name, spec.local_index(plan), report)
+    if name.endswith(".weight_scale") and bool((value == E8M0_NAN).any()):
+        # A NaN scale would poison a whole group of 32 weights: the checkpoint is corrupt.
+        raise CheckpointError(
+            f"tensor '{reader.prefix}{name}' in {reader.file_of(name)}: holds NaN scale bytes (0xFF)"
+        )
+    return value.to(dtype)
 
 
 def fill_parameter(

@@ -25,7 +25,7 @@ from k3compile.distributed import TPGroup
 from k3compile.model.kda import KDAAttention
 from k3compile.model.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
 from k3compile.model.mla import MLAAttention
-from k3compile.model.moe import DenseMLP, LatentMoE
+from k3compile.model.moe import DenseMLP, LatentMoE, expert_split_problem
 from k3compile.sharding import ParallelPlan
 
 
@@ -133,3 +133,6 @@ def check_divisible(cfg: K3Config, tp: int) -> None:
     for name, size in splits.items():
         if size % tp:
             raise ValueError(f"{name} = {size} does not divide by tp = {tp}")
+    problem = expert_split_problem(cfg, tp)
+    if problem is not None:
+        raise ValueError(problem)

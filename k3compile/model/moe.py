@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, weight_spec
-from k3compile.sharding import ParallelPlan, ShardSpec, register_sharded_parameter
+from k3compile.checkpoint.mxfp4 import GROUP_SIZE
+from k3compile.sharding import ParallelPlan, ShardingError, ShardSpec, register_sharded_parameter
 
 
 class SiTUMLP(nn.Module):
@@ -55,6 +56,24 @@ class DenseMLP(nn.Module):
         return self.tp.all_reduce(self.mlp(x))
 
 
+def mxfp4_tp_degrees(inter: int) -> list[int]:
+    """Tensor-parallel degrees that split an intermediate dim of ``inter`` into whole MXFP4
+    scale groups (w2 is quantised along it)."""
+    return [d for d in range(1, inter // GROUP_SIZE + 1) if inter % (d * GROUP_SIZE) == 0]
+
+
+def expert_split_problem(cfg: K3Config, tp: int) -> str | None:
+    """Why ``tp`` cannot split MXFP4 routed experts, or None. They keep one scale per 32
+    values of w2's input (the intermediate dim), so a rank's slice of it must be whole
+    groups; bf16 experts split anywhere."""
+    inter = cfg.moe_intermediate_size
+    if cfg.expert_format != "mxfp4" or (inter % tp == 0 and (inter // tp) % GROUP_SIZE == 0):
+        return None
+    degrees = ", ".join(map(str, mxfp4_tp_degrees(inter)))
+    return (f"each rank would hold {inter / tp:g} of the routed experts' {inter} intermediate values, which "
+            f"cuts w2's MXFP4 scale groups of {GROUP_SIZE}; tensor-parallel degrees that keep whole groups: {degrees}")
+
+
 def expert_spec(cfg: K3Config, layer: int, proj: str, shape: tuple[int, int], dim: int) -> ShardSpec:
     base = f"model.layers.{layer}.block_sparse_moe.experts"
     names = tuple(f"{base}.{e}.{proj}.weight" for e in range(cfg.num_experts))
@@ -66,6 +85,9 @@ class LatentMoE(nn.Module):
         super().__init__()
         hidden, latent, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
         prefix = f"model.layers.{layer}.block_sparse_moe"
+        problem = expert_split_problem(cfg, plan.tp)
+        if problem is not None:
+            raise ShardingError(f"tp={plan.tp}: {problem}")
         self.tp = tp
         self.top_k = cfg.num_experts_per_token
         self.renormalize = cfg.moe_renormalize
