@@ -255,13 +255,24 @@ def init_model(
             show_default=False,
         ),
     ] = None,
+    layers: Annotated[
+        Optional[int],
+        typer.Option(
+            "--layers",
+            help="Number of decoder layers, laid out by the model's own rule (MLA every 4th layer and "
+            "the last one for K3; the rest KDA). Default: the preset's or config's. Example: --layers 4",
+            show_default=False,
+        ),
+    ] = None,
     experts: Annotated[
-        ExpertFormat,
+        Optional[ExpertFormat],
         typer.Option(
             help="Storage format of the routed-expert weights: bf16, or mxfp4 (4-bit, as the released K3 "
-            "checkpoint). Example: --experts mxfp4",
+            "checkpoint). Default: the preset's or config's (mxfp4 for k3 and k3-tp8-rank). "
+            "Either way the expert weights are the same values. Example: --experts mxfp4",
+            show_default=False,
         ),
-    ] = ExpertFormat.bf16,
+    ] = None,
     seed: Annotated[
         int,
         typer.Option(help="Random seed: the same seed gives the same weights. Example: --seed 7"),
@@ -279,8 +290,11 @@ def init_model(
     Writes config.json, model.safetensors.index.json and model-0000N-of-0000M.safetensors shards holding the tensor names and shapes of the real checkpoint. Give exactly one of --preset or --config.
 
     Example: k3compile init-model ./tiny-model --preset tiny --experts mxfp4
+
+    One TP8 rank's real shapes, 4 layers (about 8 GB): k3compile init-model ./rank-slice --preset k3-tp8-rank --layers 4
     """
-    from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
+    from k3compile.checkpoint.generate import GenerateOptions, GenerateStats, generate_model_dir
+    from k3compile.config import with_layers
 
     try:
         if (preset is None) == (config is None):
@@ -290,9 +304,15 @@ def init_model(
         if out_dir.exists():
             raise UserError(f"{out_dir} already exists; choose a new directory")
         cfg = get_preset(preset) if preset is not None else read_config_file(config)
-        options = GenerateOptions(experts=experts.value, seed=seed, shard_bytes=shard_bytes)
+        if layers is not None:
+            if layers < 1:
+                raise UserError(f"--layers must be at least 1, got {layers}")
+            cfg = with_layers(cfg, layers)
+        fmt = experts.value if experts is not None else cfg.expert_format
+        options = GenerateOptions(experts=fmt, seed=seed, shard_bytes=shard_bytes)
+        stats = GenerateStats()
         start = time.perf_counter()
-        generate_model_dir(cfg, out_dir, options)
+        generate_model_dir(cfg, out_dir, options, stats=stats)
         elapsed = time.perf_counter() - start
     except (UserError, ConfigError, FileExistsError) as e:
         _fail(str(e))
@@ -304,7 +324,7 @@ def init_model(
     params = count_parameters(cfg)
 
     console.print(
-        f"[bold green]Wrote[/] {escape(str(out_dir))}  ({escape(source)}, {layout} layout, experts {experts.value}, seed {seed})",
+        f"[bold green]Wrote[/] {escape(str(out_dir))}  ({escape(source)}, {layout} layout, experts {fmt}, seed {seed})",
         soft_wrap=True,
     )
     summary = Table(show_header=False, box=None, pad_edge=False)
@@ -318,7 +338,7 @@ def init_model(
     shard_text = shards[0] if len(shards) == 1 else f"{len(shards)} shards {shards[0]} .. {shards[-1]}"
     summary.add_row("files", f"{len(files)}: " + ", ".join(others + [shard_text]))
     summary.add_row("total bytes", f"{total:,} ({human_bytes(total)})")
-    summary.add_row("time", f"{elapsed:.1f} s")
+    summary.add_row("time", f"{elapsed:.1f} s (drawing values {stats.draw_s:.1f} s, writing files {stats.write_s:.1f} s)")
     console.print(summary)
 
 
@@ -411,14 +431,14 @@ def generate(
     import torch
 
     from k3compile.batch import CacheShape
-    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.checkpoint.loader import CheckpointError, load_checkpoint_config
     from k3compile.reference import ReferenceEngine, RequestError, load_reference
     from k3compile.sequences import generate_tokens
 
     try:
         if not model_dir.is_dir():
             raise UserError(f"{model_dir} is not a directory (create one with 'k3compile init-model')")
-        cfg = load_config(model_dir)
+        cfg = load_checkpoint_config(model_dir)
         prompts = read_prompts(prompt, prompt_file, cfg.vocab_size)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -807,7 +827,9 @@ def optimize_command(
                 raise UserError(f"{out} already exists; pass --overwrite to replace it, or choose a new directory")
             if not out.is_dir() or out.is_symlink() or not (_is_artifact_dir(out) or not any(out.iterdir())):
                 raise UserError(f"refusing to overwrite {out}: it is not a k3compile artifact")
-        cfg = load_config(model_dir)
+        from k3compile.checkpoint.loader import load_checkpoint_config
+
+        cfg = load_checkpoint_config(model_dir)
         _check_tp(cfg, tp)
 
         from k3compile.compiler import CompileOptions, optimize
@@ -946,8 +968,12 @@ def plan_command(
         _fail(str(e))
     console.print(plan_table(result))
     final, hbm = result.final.total, result.hbm_bytes
+    experts = result.routed_expert_format()
+    if experts:
+        console.print(f"routed experts held as {experts}", soft_wrap=True)
     if hbm:
-        verdict = "fits" if final <= hbm else "does not fit"
+        verdict = (f"fits, leaving {human_bytes(hbm - final)} for more context or sequences" if final <= hbm
+                   else "does not fit")
         console.print(f"total {human_bytes(final)} per GPU {verdict} in the {target}'s {human_bytes(hbm)}", soft_wrap=True)
     if result.unchanged:
         console.print(f"passes that ran without changing memory: {', '.join(result.unchanged)}", soft_wrap=True)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import k3compile
 from k3compile.batch import CacheShape
 from k3compile.cli import app, parse_size
-from k3compile.config import PRESETS, config_to_hf_dict, load_config
+from k3compile.config import PRESETS, config_to_hf_dict, load_config, with_layers
 from k3compile.model import K3ForCausalLM
 from k3compile.reference import ReferenceEngine, load_reference
 
@@ -118,7 +118,7 @@ def test_init_model_tiny_mxfp4(tiny_dir):
     assert hf["model_type"] == "kimi_k3"
     assert hf["quantization_config"]["format"] == "mxfp4-pack-quantized"
     assert hf["k3compile_generated"] == {"seed": 5, "experts": "mxfp4"}
-    assert load_config(out) == cfg
+    assert load_config(out) == cfg.replace(expert_format="mxfp4")  # --experts overrides the preset's bf16
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     weight_map = index["weight_map"]
@@ -178,8 +178,9 @@ def _bad_config(path: Path) -> Path:
         (["--config", "{tmp}/missing.json"], "missing.json does not exist"),
         (["--config", "{bad}"], "bad.json: field 'hidden_act' must be 'situ'"),
         (["--preset", "tiny", "--shard-size", "lots"], "--shard-size: cannot read 'lots'"),
+        (["--preset", "tiny", "--layers", "0"], "--layers must be at least 1, got 0"),
     ],
-    ids=["unknown-preset", "neither", "both", "missing-config", "invalid-config", "bad-shard-size"],
+    ids=["unknown-preset", "neither", "both", "missing-config", "invalid-config", "bad-shard-size", "zero-layers"],
 )
 def test_init_model_errors(tmp_path, args, message):
     good = tmp_path / "good.json"
@@ -193,6 +194,26 @@ def test_init_model_errors(tmp_path, args, message):
     assert result.stdout == "" and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
     assert sorted(tmp_path.iterdir()) == before  # nothing written, no temp dir left
+
+
+def test_init_model_layers_and_the_configs_expert_format(tmp_path):
+    """--layers re-lays any preset or config by its own rule; without --experts the config's
+    format is written (mxfp4 here, from quantization_config)."""
+    mx = PRESETS["tiny-linear"].replace(expert_format="mxfp4")
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(config_to_hf_dict(mx)))
+    out = tmp_path / "model"
+    result = invoke("init-model", str(out), "--config", str(cfg_file), "--layers", "3", "--seed", "2")
+    assert result.exit_code == 0, result.output
+    assert "experts mxfp4" in result.stdout and re.search(r"layers\s+3\b", result.stdout)
+    assert re.search(r"time\s+[\d.]+ s \(drawing values [\d.]+ s, writing files [\d.]+ s\)", result.stdout)
+    assert load_config(out) == with_layers(mx, 3)
+    assert load_config(out).layer_kinds == ("kda", "kda", "mla")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["k3compile_generated"] == {"seed": 2, "experts": "mxfp4"}
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.2.block_sparse_moe.experts.0.w2.weight_packed" in weight_map
+    assert not any(k.startswith("model.layers.3.") for k in weight_map)
 
 
 def test_init_model_existing_dir(tiny_dir):

@@ -7,6 +7,7 @@ Every test writes a real config.json into pytest's tmp_path and reads it back wi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from k3compile.config import (
     config_to_hf_dict,
     get_preset,
     load_config,
+    with_layers,
 )
 
 # Every JSON key of the language-model config (text_config / the flat kimi_linear file).
@@ -102,7 +104,7 @@ def test_kimi_k3_nests_text_config_and_ignores_other_keys(tmp_path):
     d["text_config"]["rope_theta"] = 50000.0  # unused keys inside text_config are fine too
     d["text_config"]["torch_dtype"] = "bfloat16"
     cfg = load_config(write_config(tmp_path, d))
-    assert cfg == PRESETS["tiny"]
+    assert cfg == PRESETS["tiny"].replace(expert_format="mxfp4")  # quantization_config: mxfp4-pack-quantized
     assert cfg.checkpoint_prefix == "language_model."
 
 
@@ -238,6 +240,100 @@ def test_tiny_preset_layouts():
     assert h24.num_attention_heads == 24 and h24.num_key_value_heads == 24
     assert h24.linear_attn.num_heads == 24
     assert h24.num_attention_heads // 2 == 12  # TP2 leaves K3's TP8 per-rank head count
+
+
+def test_k3_tp8_rank_preset_values():
+    """One TP8 rank of K3 at TP1: the per-rank widths of K3_ARCHITECTURE.md section 5."""
+    r, k3 = get_preset("k3-tp8-rank"), PRESETS["k3"]
+    assert (r.hidden_size, r.num_hidden_layers, r.vocab_size) == (7168, 4, 163840 // 8)
+    assert r.num_attention_heads == r.num_key_value_heads == r.linear_attn.num_heads == 96 // 8
+    assert r.linear_attn.head_dim == 128
+    assert (r.q_lora_rank, r.kv_lora_rank, r.qk_nope_head_dim, r.qk_rope_head_dim) == (1536, 512, 128, 64)
+    assert r.intermediate_size == 33792 // 8 == 4224
+    assert (r.num_experts, r.num_experts_per_token, r.routed_expert_hidden_size) == (896, 16, 3584)
+    assert r.moe_intermediate_size == 3072 // 8 and r.shared_intermediate_size == 6144 // 8
+    assert r.attn_res_block_size == 12 and r.max_position_embeddings == 1048576
+    assert r.expert_format == k3.expert_format == "mxfp4"
+    assert r.checkpoint_prefix == "language_model."
+    assert r.layer_kinds == ("kda", "kda", "kda", "mla") and not r.is_moe_layer(0)
+    assert all(r.is_moe_layer(i) for i in (1, 2, 3))
+    # Everything that is not a width is K3's.
+    same = ("rms_norm_eps", "situ_beta", "situ_linear_beta", "first_k_dense_replace", "num_shared_experts",
+            "routed_scaling_factor", "moe_renormalize", "moe_router_activation_func", "use_grouped_topk",
+            "mla_use_nope", "mla_use_output_gate", "latent_moe_use_norm", "moe_layer_freq")
+    assert all(getattr(r, f) == getattr(k3, f) for f in same)
+    assert r.linear_attn.gate_lower_bound == k3.linear_attn.gate_lower_bound
+
+
+def test_k3_tp8_rank_has_the_local_shapes_of_a_k3_tp8_rank():
+    """Every parameter of the rank slice (built at TP1) has the shape and dtype of the same
+    parameter on a rank of the real model at TP8. A slice layer is compared with a K3 layer of
+    the same kind (KDA/MLA) and MLP (dense/MoE): with 6 layers the slice's layer 5 is MLA (the
+    last layer), K3's layer 5 is KDA. The vocab-parallel embedding and lm_head match too
+    (163840 / 8 = 20480 rows); what differs is the rank constant ``vocab_start`` (rank r's
+    first vocab id, 0 at TP1), a buffer, not a parameter."""
+    import torch
+
+    from k3compile.model import K3ForCausalLM
+    from k3compile.sharding import ParallelPlan, shard_specs
+
+    k3, plan8 = PRESETS["k3"], ParallelPlan(tp=8, rank=5)
+    rank = with_layers(PRESETS["k3-tp8-rank"], 6)
+    with torch.device("meta"):
+        full = K3ForCausalLM(k3, plan8)
+        local = K3ForCausalLM(rank)
+    full_params, local_params = dict(full.named_parameters()), dict(local.named_parameters())
+    full_specs, local_specs = shard_specs(full), shard_specs(local)
+
+    def k3_layer(i: int) -> int:
+        kind, moe = rank.layer_kinds[i], rank.is_moe_layer(i)
+        return next(j for j, k in enumerate(k3.layer_kinds) if k == kind and k3.is_moe_layer(j) == moe)
+
+    assert [k3_layer(i) for i in range(6)] == [0, 1, 1, 3, 1, 3]
+    compared = set()
+    for name, p in local_params.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            parts[2] = str(k3_layer(int(parts[2])))
+        k3_name = ".".join(parts)
+        q = full_params[k3_name]
+        assert p.shape == q.shape and p.dtype == q.dtype, (name, tuple(p.shape), tuple(q.shape))
+        assert local_specs[name].local_shape(ParallelPlan()) == full_specs[k3_name].local_shape(plan8), name
+        compared.add(k3_name)
+    # Every parameter of the compared K3 layers (and every global one) has a counterpart.
+    layers = {f"model.layers.{j}." for j in (0, 1, 3)}
+    assert compared == {n for n in full_params if not n.startswith("model.layers.") or n[: n.index(".", 13) + 1] in layers}
+    assert local.lm_head.weight.shape == full.lm_head.weight.shape == (20480, 7168)
+    buffers = dict(full.named_buffers())
+    assert int(buffers["model.embed_tokens.vocab_start"]) == 5 * 20480
+    assert int(dict(local.named_buffers())["model.embed_tokens.vocab_start"]) == 0
+
+
+def test_with_layers_follows_the_presets_own_rule():
+    for name, cfg in PRESETS.items():
+        assert with_layers(cfg, cfg.num_hidden_layers) == cfg, name  # the rule that built the preset
+    k3 = PRESETS["k3"]
+    eight = with_layers(k3, 8)
+    assert eight.num_hidden_layers == 8 and eight.linear_attn.full_attn_layers == (4, 8)
+    assert eight.layer_kinds == ("kda",) * 3 + ("mla",) + ("kda",) * 3 + ("mla",)
+    assert eight.replace(num_hidden_layers=93, linear_attn=k3.linear_attn) == k3  # nothing else changed
+    ten = with_layers(k3, 10)
+    assert ten.linear_attn.full_attn_layers == (4, 8, 10) and ten.linear_attn.kda_layers == (1, 2, 3, 5, 6, 7, 9)
+    assert with_layers(PRESETS["tiny"], 10).linear_attn.full_attn_layers == (3, 6, 9, 10)  # tiny: every 3rd
+    one = with_layers(PRESETS["k3-tp8-rank"], 1)
+    assert one.layer_kinds == ("mla",) and not one.is_moe_layer(0)  # the last layer is MLA; dense layer 0
+    assert one.expert_format == "mxfp4"
+    assert with_layers(PRESETS["k3-tp8-rank"], 93).replace(
+        num_attention_heads=96, num_key_value_heads=96, vocab_size=163840, intermediate_size=33792,
+        moe_intermediate_size=3072, linear_attn=dataclasses.replace(k3.linear_attn),
+        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+    ) == k3
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match="positive integer"):
+            with_layers(k3, bad)
+    all_kda = dataclasses.replace(k3.linear_attn, full_attn_layers=(), kda_layers=tuple(range(1, 94)))
+    with pytest.raises(ConfigError, match="no MLA layer"):
+        with_layers(dataclasses.replace(k3, linear_attn=all_kda), 4)
 
 
 def test_unknown_preset():
@@ -386,13 +482,21 @@ def test_layer_listed_twice(tmp_path):
         ("rms_norm_eps", 0.0),
         ("pad_token_id", 512),  # == vocab_size
         ("first_k_dense_replace", 8),  # > num_hidden_layers
-        ("moe_intermediate_size", 100),  # not a multiple of the mxfp4 group
     ],
 )
 def test_unsupported_text_value(tmp_path, key, value):
     d = k3_dict()
     d["text_config"][key] = value
     expect_error(tmp_path, d, f"text_config.{key}")
+
+
+@pytest.mark.parametrize("key", ["moe_intermediate_size", "routed_expert_hidden_size"])
+def test_expert_dims_need_whole_mxfp4_groups_only_with_mxfp4_experts(tmp_path, key):
+    d = k3_dict()
+    d["text_config"][key] = 100  # not a multiple of the MXFP4 group of 32
+    assert getattr(load_config(write_config(tmp_path, d, "bf16")), key) == 100  # bf16 experts split anywhere
+    d["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    expect_error(tmp_path, d, f"text_config.{key}", "mxfp4")
 
 
 @pytest.mark.parametrize(
