@@ -139,9 +139,10 @@ class Runtime:
             artifact, artifact.programs["decode"], self.plan, device, on_progress
         )
         if device.type == "cuda":
-            from k3compile.runtime.kernels.rows import register_cuda_kernels
+            from k3compile.runtime.kernels import moe, rows
 
-            register_cuda_kernels()  # one-launch RMSNorm and add_rank_block instead of the torch references
+            rows.register_cuda_kernels()  # one-launch RMSNorm and add_rank_block instead of the torch references
+            moe.register_cuda_kernels()  # routing and the MXFP4 experts without host syncs
         self.modules = {}
         for phase, program in artifact.programs.items():
             module = program.module()

@@ -1,0 +1,92 @@
+"""Probe the routed-expert kernels' launch plans at one TP8 rank's shapes (CUDA only).
+
+    python benchmarks/moe_probe.py time --batches 1 16 64 256 --plans PLAN ...
+    python benchmarks/moe_probe.py run --T 1 --plan PLAN     # a few eager calls, for ncu
+
+PLAN is ``pair|grouped:BLOCK_M:w13 n,k,warps,stages:w2 n,k,warps,stages`` (e.g.
+``pair:16:16,128,1,4:16,128,1,3``). ``time`` prints each plan's time per call (CUDA graph
+of ``--calls`` calls with their own routing, as benchmarks/moe_layer.py) over the floor of
+the distinct experts' bytes, and the routing kernel's time at several warp counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from gpu_timing import copy_bandwidth, graph_time
+from moe_layer import D, E, TOP_K, make_weights
+from k3compile.runtime.kernels import moe
+
+import k3compile.ops  # noqa: F401
+
+
+def parse_plan(text: str) -> moe.MoePlan:
+    kind, block_m, w13, w2 = text.split(":")
+    gemm = lambda s: moe.GemmPlan(*(int(v) for v in s.split(",")))  # noqa: E731
+    return moe.MoePlan(kind == "grouped", int(block_m), gemm(w13), gemm(w2))
+
+
+def inputs(T: int, calls: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    out = []
+    for _ in range(calls):
+        logits = torch.randn(T, E, generator=gen, device="cuda")
+        w, ids = moe.sigmoid_topk_route(logits, torch.zeros(E, device="cuda"), TOP_K, True, 1.0)
+        z = torch.randn(T, D, generator=gen, device="cuda").bfloat16()
+        out.append((z, w, ids))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["time", "run"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--T", type=int, default=1)
+    ap.add_argument("--plans", nargs="+", default=[])
+    ap.add_argument("--plan", default=None)
+    ap.add_argument("--calls", type=int, default=8)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = make_weights(gen)
+    per_expert = sum(t.numel() for t in w.values()) // E
+    weights = [w[k] for k in ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")]
+    if args.mode == "run":
+        plan = parse_plan(args.plan)
+        for z, wt, ids in inputs(args.T, 6, gen):
+            moe.moe_experts_mxfp4(z, wt, ids, *weights, 4.0, 25.0, plan=plan)
+        torch.cuda.synchronize()
+        return
+    bandwidth = copy_bandwidth(2 << 30, 10)
+    rows = []
+    for T in args.batches:
+        sets = inputs(T, args.calls, gen)
+        distinct = sum(int(torch.unique(ids).numel()) for _, _, ids in sets) / len(sets)
+        floor = distinct * per_expert / bandwidth
+        for text in args.plans:
+            plan = parse_plan(text)
+            if not plan.grouped and T * TOP_K > 4096:
+                continue
+            fns = [lambda s=s: moe.moe_experts_mxfp4(*s, *weights, 4.0, 25.0, plan=plan) for s in sets]
+            t = graph_time(fns, 20)
+            rows.append({"T": T, "plan": text, "us": round(t * 1e6, 1), "x_floor": round(t / floor, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+        logits = [torch.randn(T, E, generator=gen, device="cuda") for _ in range(args.calls)]
+        bias = torch.zeros(E, device="cuda")
+        for warps in (1, 2, 4, 8):
+            def route(x, warps=warps):
+                wt = torch.empty(T, TOP_K, device="cuda")
+                ids = torch.empty(T, TOP_K, dtype=torch.int64, device="cuda")
+                moe._route_kernel[(T,)](x, bias, wt, ids, E, 1.0, TOP_K=TOP_K, K_POW2=TOP_K, BLOCK_E=1024,
+                                        RENORMALIZE=True, num_warps=warps)
+            t = graph_time([lambda x=x: route(x) for x in logits], 20)
+            rows.append({"T": T, "plan": f"route w{warps}", "us": round(t * 1e6, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_probe.json"), "w") as f:
+            json.dump({"bandwidth": bandwidth, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

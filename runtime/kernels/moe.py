@@ -1,0 +1,525 @@
+"""Routed-expert kernels: sigmoid top-k routing and the MXFP4 experts of a latent MoE.
+
+Semantics are those of ``torch.ops.k3.sigmoid_topk_route`` and
+``torch.ops.k3.moe_experts_mxfp4`` (k3compile/ops/moe.py, whose torch references are the
+numerical truth). Expert weights stay as the checkpoint stores them
+(k3compile/checkpoint/mxfp4.py): E2M1 codes two per byte (low nibble = even input
+column) and one E8M0 scale byte per 32 input columns, stacked over experts; they are
+decoded in registers by ``tl.dot_scaled(w, w_scale, "e2m1", x^T, None, "bf16")`` with the
+WEIGHT ROWS ON THE M SIDE of the matrix unit and the tokens (pairs) on the N side, padded
+to 16 under masks (sm_90: an e2m1 -> bf16 upcast in registers feeding the MMA; gfx950:
+``v_cvt_scalef32_pk_bf16_fp4`` + bf16 MFMA; gfx942: a software upcast).
+
+Kernels (every one runs inside CUDA graphs: no host synchronisation, grids sized from
+shapes only, for the worst case, with early exit):
+
+- ``_route_kernel``: one program per token; sigmoid in fp32, top-k of ``s + bias`` by
+  ``top_k`` rounds of one max-reduction over keys (score bits, then the id reversed), so
+  ids come in decreasing biased score with ties to the lower expert id (the reference's
+  stable sort); weights ``s[ids]``, renormalised (``/ (sum + 1e-20)``) and scaled. One
+  launch.
+- ``_expert_gemm_kernel``: one source for both products. GLU: ``h[p] = situ_glu(W1[e] z_t,
+  W3[e] z_t)`` stored in z's dtype; else ``y[p] = W2[e] h[p]`` in fp32 (p = t * top_k + k
+  is a (token, slot) pair, e = ids[p]). Grid (pair rows, weight-row tiles): a program reads
+  one [BLOCK_N, KD] slab of its expert's weights once and multiplies every pair row of its
+  tile with it. PAIR-MAJOR (decode): a program is one pair (one real column of 16); no
+  sorting, so no extra launch. GROUPED (``GROUPED`` constexpr): a program is BLOCK_M pairs
+  of ONE expert from the align kernel's table, so an expert's slab is read once per
+  BLOCK_M pairs; unused blocks of the worst-case grid exit at once. Pair rows are the
+  fastest grid axis, so the programs of one weight slab run together (grouped: the blocks
+  of one expert share the slab in L2). Loads: the codes through Triton's software
+  pipeline (cp.async on sm_90); the scales as int32 words of four groups when KD and
+  BLOCK_K are multiples of 128 (as bytes Triton loads them one by one, synchronously, and
+  every K step would wait for them); the x tile one step ahead by hand for wgmma-sized
+  tiles (``_prefetch_x``: Triton does not pipeline it there). w13 may split K
+  (``SPLIT_K``): the last split to arrive at its tile's counter sums the partials in split
+  order and finishes the SiTU-GLU. A warp's MMA tile is 16 weight rows: 16-row tiles run
+  one warp per program (with more, every warp decodes the same tile).
+- ``_align_kernel`` (grouped only): ONE program groups the pairs by expert: a histogram
+  of ids (``tl.histogram`` over chunks), segments padded to multiples of BLOCK_M
+  (``tl.cumsum``), per-block expert ids (-1 for the unused blocks of the worst-case grid
+  ``cdiv(P, BLOCK_M) + min(E, P)``), then each pair's slot = its expert's cursor
+  (``tl.gather`` from registers) + its rank among the chunk's earlier pairs of the same
+  expert (a pairwise compare): pairs of an expert stay in pair order, so the layout, and
+  the result, are deterministic. Padding slots hold the sentinel P.
+- ``_combine_kernel``: ``out[t] = sum_k weights[t, k] * y[t * top_k + k]`` in fp32, in k
+  order (no atomics: deterministic), stored in z's dtype; 1024 columns of a token per
+  program.
+
+Launches: routing 1; experts pair-major 3 (w13, w2, combine), grouped 4 (align + the
+same three). The path and tiles come from a per-target :class:`MoePlan` table
+(:func:`choose_plan`): pair-major below ``grouped_min_pairs`` pairs (T * top_k).
+
+Numerics: z (bf16, or fp16 / fp32 cast to bf16 in registers) and h enter the matrix unit
+as bf16, the weights as exact bf16 values (E2M1 x 2^k); products accumulate in fp32. The
+SiTU-GLU runs in fp32 on the fp32 accumulators (the reference rounds W1 z and W3 z to z's
+dtype first), h is rounded to z's dtype (fp32 z: kept in fp32, rounded to bf16 only as a
+matrix operand), y = W2 h stays fp32, the k sum is fp32, the output is rounded once to z's
+dtype. fp16 / fp32 z therefore multiply in bf16 (the reference multiplies in z's dtype).
+Under TRITON_INTERPRET (CPU tests) the kernels round to bf16 by hand (see ``_combine_kernel``): the
+interpreter's own fp32 -> bf16 cast truncates where GPUs round to nearest even.
+(Helpers are inlined and ``tl.full`` used for ``tl.zeros``: the interpreter pays ~3 ms for
+each call of a ``@triton.jit`` function, ``tl.zeros`` included.)
+
+Workspaces come from ``torch.empty`` on the caller's stream (the graph's pool under
+capture): h [P, I] (z dtype), y [P, D] fp32 (P = T * top_k; 59 MB at T = 256 and K3's
+D = 3584), and for grouped launches the align tables (int32). Requirements (checked):
+contiguous uint8 weights, D and I multiples of 32, ids in [0, E) (not checked: that
+would need a host sync), top_k <= E <= MAX_EXPERTS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.jit import JITFunction
+
+from k3compile.runtime.kernels.counters import ArrivalCounters
+from k3compile.runtime.kernels.moe_plans import (  # noqa: F401  (the plans are part of this module's API)
+    PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, device_target, grouped_blocks,
+)
+
+MAX_EXPERTS = 4096  # one register row per token in the routing kernel
+ROUTE_WARPS = 4  # one token's 896 scores per program (H200: 5.5 us at 4 warps, 9.3 at 1)
+ALIGN_CHUNK = 64  # pairs per step of the align kernel (a [64, 64] compare for the ranks)
+COMBINE_BLOCK = 1024  # output columns per combine program, one token each (56 registers on sm_90, 62 VGPRs on
+# gfx950; 4 tokens: 144 / 260); 4 tokens per program under the interpreter, whose cost is per program
+_Z_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token per program. Each of the top_k rounds is ONE max-reduction over int64 keys
+    (order-preserving bits of the biased score << 32 | BLOCK_E - 1 - id): the largest key is
+    the best score with ties to the lowest id. The weights re-read the picked logits."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    s = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32))
+    score = s + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    score = tl.where(score != score, float("inf"), score)  # NaN first, as torch's descending sort
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order of ints = order of floats
+    key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+    key = tl.where(valid, key, -9223372036854775807 - 1)
+    slots = tl.arange(0, K_POW2)
+    sel_id = tl.zeros([K_POW2], dtype=tl.int32)
+    for k in range(TOP_K):  # a loop, not unrolled: 16 unrolled rounds of 1024 lanes compile slowly
+        best = tl.max(key, axis=0)
+        pick = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        sel_id = tl.where(slots == k, pick, sel_id)
+        key = tl.where(e == pick, -9223372036854775807 - 1, key)
+    keep = slots < TOP_K
+    sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))
+    sel_w = tl.where(keep, sel_w, 0.0)
+    if RENORMALIZE:
+        sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)
+    tl.store(weights_ptr + t * TOP_K + slots, sel_w * scaling, mask=keep)
+    tl.store(ids_ptr + t * TOP_K + slots, sel_id.to(tl.int64), mask=keep)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_blocks, BLOCK_M,
+                  E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """One program. sorted[b * BLOCK_M + j]: the j-th pair of block b (P = padding);
+    block_expert[b]: its expert, -1 for blocks past the used ones. (BLOCK_M is a runtime
+    argument: one compiled align kernel serves every plan.)"""
+    experts = tl.arange(0, E_POW2)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        m = c0 + lane < P
+        e = tl.load(ids_ptr + c0 + lane, mask=m, other=0).to(tl.int32)
+        counts += tl.histogram(e, E_POW2, mask=m)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    starts = tl.cumsum(blocks, axis=0) - blocks  # first block of each expert
+    for j in range(0, tl.max(blocks, axis=0)):
+        tl.store(block_expert_ptr + starts + j, experts, mask=j < blocks)
+    for b0 in range(tl.sum(blocks, axis=0), n_blocks, CHUNK):
+        tl.store(block_expert_ptr + b0 + lane, -1, mask=b0 + lane < n_blocks)
+    for j in range(0, BLOCK_M):  # the padding slots of each expert's last block
+        tl.store(sorted_ptr + starts * BLOCK_M + counts + j, P, mask=counts + j < blocks * BLOCK_M)
+    cursor = starts * BLOCK_M
+    earlier = lane[None, :] < lane[:, None]
+    for c0 in range(0, P, CHUNK):
+        m = c0 + lane < P
+        e = tl.load(ids_ptr + c0 + lane, mask=m, other=0).to(tl.int32)
+        same = (e[:, None] == e[None, :]) & earlier & m[None, :]
+        slot = tl.gather(cursor, e, 0) + tl.sum(same.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + slot, c0 + lane, mask=m)
+        cursor += tl.histogram(e, E_POW2, mask=m)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    x_ptr,  # GLU: z [T, KD]; else h [P, KD]
+    ids_ptr,  # [P] expert of each pair (pair-major)
+    sorted_ptr,  # [blocks * BLOCK_M] pair of each grouped column, P = padding (grouped)
+    block_expert_ptr,  # [blocks] expert of each block, -1 = unused (grouped)
+    wa_ptr, sa_ptr,  # packed codes [E, N, KD / 2] and scales [E, N, KD / 32]: w1, or w2
+    wb_ptr, sb_ptr,  # w3 (GLU only)
+    out_ptr,  # GLU: h [P, N] in z's dtype; else y [P, N] fp32
+    ws_ptr,  # SPLIT_K > 1: fp32 partials [SPLIT_K, tiles, 2, BLOCK_N, BLOCK_M]
+    counter_ptr,  # SPLIT_K > 1: int32 arrival counter per tile, zero between launches
+    P, N, KD, beta, linear_beta,
+    TOP_K: tl.constexpr, GLU: tl.constexpr, GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    PREFETCH_X: tl.constexpr, ROUND_BY_HAND: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Program (pair row tile, weight row tile, K split): acc[BLOCK_N, BLOCK_M] = W[e, rows, :]
+    @ x^T over its share of KD in BLOCK_K steps (KD % BLOCK_K == 0). With SPLIT_K > 1 (GLU
+    only) each split stores its partial sums, and the last to arrive at the tile's counter
+    adds them in split order (deterministic) and finishes the SiTU-GLU."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_M)
+    if GROUPED:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + cols)
+        ok = pairs < P
+    else:
+        e = tl.load(ids_ptr + pid_m).to(tl.int32)
+        pairs = pid_m + cols * 0
+        ok = cols == 0
+    if GLU:
+        xrow = pairs // TOP_K  # the pair's token
+    else:
+        xrow = pairs
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < N
+    w_rows = e.to(tl.int64) * N + rows  # [BLOCK_N] rows of the stacked [E * N, ...] weight
+    w_off = w_rows[:, None] * (KD // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+    # A row's scales of one step are only BLOCK_K / 32 bytes: as bytes, Triton loads them one
+    # by one and synchronously (its software pipeline takes loads of 4+ bytes), so every
+    # step would wait for them. SCALE_WORDS (KD and BLOCK_K multiples of 128): int32 words
+    # of 4 scale bytes, split in registers (little endian: byte j is group j).
+    if SCALE_WORDS:
+        s_off = w_rows[:, None] * (KD // 128) + tl.arange(0, BLOCK_K // 128)[None, :]
+        sa_ptr = sa_ptr.to(tl.pointer_type(tl.int32))
+        sb_ptr = sb_ptr.to(tl.pointer_type(tl.int32))
+        s_step: tl.constexpr = BLOCK_K // 128
+        s_other: tl.constexpr = 0x7F7F7F7F
+    else:
+        s_off = w_rows[:, None] * (KD // 32) + tl.arange(0, BLOCK_K // 32)[None, :]
+        s_step: tl.constexpr = BLOCK_K // 32
+        s_other: tl.constexpr = 127
+    shifts = (tl.arange(0, 4) * 8)[None, None, :]
+    x_off = xrow.to(tl.int64)[None, :] * KD + tl.arange(0, BLOCK_K)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+    acc_a = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin (cheap interpreted)
+    acc_b = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+    steps = KD // BLOCK_K
+    k_lo = 0
+    k_hi = steps
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(steps, SPLIT_K)
+        k_lo = tl.program_id(2) * per_split
+        k_hi = tl.minimum(k_lo + per_split, steps)
+    if PREFETCH_X:
+        x_next = tl.load(x_ptr + x_off + k_lo * BLOCK_K, mask=ok[None, :], other=0.0)
+    for kb in range(k_lo, k_hi):
+        if PREFETCH_X:  # the next step's x requested now, by hand (see the launcher's _prefetch_x)
+            x = x_next
+            x_next = tl.load(x_ptr + x_off + tl.minimum(kb + 1, k_hi - 1) * BLOCK_K, mask=ok[None, :], other=0.0)
+        else:
+            x = tl.load(x_ptr + x_off + kb * BLOCK_K, mask=ok[None, :], other=0.0)
+        if ROUND_BY_HAND and x.dtype != tl.bfloat16:  # see _combine_kernel
+            xb = x.to(tl.float32).to(tl.int32, bitcast=True)
+            x = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        x = x.to(tl.bfloat16)
+        wa = tl.load(wa_ptr + w_off + kb * (BLOCK_K // 2), mask=rows_ok[:, None], other=0)
+        sa = tl.load(sa_ptr + s_off + kb * s_step, mask=rows_ok[:, None], other=s_other)
+        if SCALE_WORDS:
+            sa = tl.reshape((sa[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
+        acc_a = tl.dot_scaled(wa, sa, "e2m1", x, None, "bf16", acc_a)
+        if GLU:
+            wb = tl.load(wb_ptr + w_off + kb * (BLOCK_K // 2), mask=rows_ok[:, None], other=0)
+            sb = tl.load(sb_ptr + s_off + kb * s_step, mask=rows_ok[:, None], other=s_other)
+            if SCALE_WORDS:
+                sb = tl.reshape((sb[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
+            acc_b = tl.dot_scaled(wb, sb, "e2m1", x, None, "bf16", acc_b)
+    out_off = pairs.to(tl.int64)[None, :] * N + rows[:, None]
+    out_mask = ok[None, :] & rows_ok[:, None]
+    if SPLIT_K > 1:
+        tile = pid_m * tl.num_programs(1) + pid_n
+        part = tl.num_programs(0) * tl.num_programs(1) * (2 * BLOCK_N * BLOCK_M)  # one split's partials
+        ws_off = tile.to(tl.int64) * (2 * BLOCK_N * BLOCK_M) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + cols[None, :]
+        tl.store(ws_ptr + tl.program_id(2) * part + ws_off, acc_a)
+        tl.store(ws_ptr + tl.program_id(2) * part + ws_off + BLOCK_N * BLOCK_M, acc_b)
+        tl.debug_barrier()  # all threads' stores precede the release below
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        tl.debug_barrier()
+        mine = (tl.full([BLOCK_N, BLOCK_M], 0, tl.int32) + last.to(tl.int32)) != 0  # the last split's tile
+        acc_a = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+        acc_b = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+        for sp in range(SPLIT_K):  # split order, whoever arrived last
+            acc_a += tl.load(ws_ptr + sp * part + ws_off, mask=mine, other=0.0, cache_modifier=".cg")
+            acc_b += tl.load(ws_ptr + sp * part + ws_off + BLOCK_N * BLOCK_M, mask=mine, other=0.0,
+                             cache_modifier=".cg")
+        if last:
+            tl.store(counter_ptr + tile, 0)
+        out_mask = out_mask & mine
+    if GLU:
+        # SiTU-GLU in fp32: gate' = b tanh(g / b) sigmoid(g), up' = bl tanh(u / bl), with
+        # tanh of both at once (inline: Triton helpers are slow under the interpreter): an
+        # odd Taylor polynomial for |v| < 0.3 (no cancellation; error < 2e-7 relative), else
+        # (1 - t) / (1 + t) with t = exp(-2|v|) (t <= 0.55: 1 - t loses < 2 bits).
+        v = tl.join(acc_a / beta, acc_b / linear_beta)
+        v2 = v * v
+        poly = v * (1.0 + v2 * (-1.0 / 3.0 + v2 * (2.0 / 15.0 + v2 * (-17.0 / 315.0 + v2 * (62.0 / 2835.0)))))
+        t = tl.exp(-2.0 * tl.abs(v))
+        far = (1.0 - t) / (1.0 + t)
+        th_a, th_b = tl.split(tl.where(tl.abs(v) < 0.3, poly, tl.where(v < 0, -far, far)))
+        ea = tl.exp(-tl.abs(acc_a))  # sigmoid without overflow: e / (1 + e) for negative g
+        h = beta * th_a * tl.where(acc_a >= 0, 1.0, ea) / (1.0 + ea) * (linear_beta * th_b)
+        if ROUND_BY_HAND and out_ptr.dtype.element_ty == tl.bfloat16:  # see _combine_kernel
+            hb = h.to(tl.int32, bitcast=True)
+            h = ((hb + 0x7FFF + ((hb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + out_off, h.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + out_off, acc_a, mask=out_mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, T, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    m = t_ok[:, None] & (d < D)[None, :]
+    pair = t.to(tl.int64) * TOP_K
+    acc = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float32)
+    for k in tl.static_range(TOP_K):  # k order: deterministic
+        w = tl.load(weights_ptr + pair + k, mask=t_ok, other=0.0)
+        acc += w[:, None] * tl.load(y_ptr + (pair + k)[:, None] * D + d[None, :], mask=m, other=0.0)
+    if ROUND_BY_HAND and out_ptr.dtype.element_ty == tl.bfloat16:
+        # fp32 -> the nearest bf16 value (ties to even), still fp32: Triton's interpreter casts
+        # fp32 to bf16 by truncation where GPUs round to nearest even, so under TRITON_INTERPRET
+        # the kernels round by hand first and the cast is then exact. (Inline: a @triton.jit
+        # helper costs the interpreter ~3 ms per call.)
+        bits = acc.to(tl.int32, bitcast=True)
+        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+#: TRITON_INTERPRET was set when this module was imported: @triton.jit made interpreter wrappers
+_INTERPRETED = not isinstance(_combine_kernel, JITFunction)
+#: arrival counters of split-K w13 launches (runtime/kernels/counters.py: run a shape once
+#: before capturing it in a CUDA graph)
+_counters = ArrivalCounters("moe_experts_mxfp4 w13")
+
+
+def _scale_words(kd: int, block_k: int, *scales: Tensor) -> bool:
+    """Scales read as int32 words: scale rows and steps are whole words (4 groups) and the
+    tensors start on a word (a view at an odd offset takes the byte path)."""
+    return kd % 128 == 0 and block_k % 128 == 0 and all(t.data_ptr() % 4 == 0 for t in scales)
+
+
+def _prefetch_x(g: GemmPlan) -> bool:
+    """Load the x tile of the next K step by hand, one step ahead. Triton (3.6 and 3.9)
+    stages weights and scales through its software pipeline (cp.async) but loads the x
+    tile of a wgmma (sm_90, 64+ weight rows per warpgroup, A from registers after the
+    e2m1 upcast) synchronously in each step; mma.sync tiles (16/32 rows) get x staged too
+    and keep that."""
+    return g.block_n >= 64
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every output and workspace of the launchers (tests replace it to poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def sigmoid_topk_route(logits: Tensor, correction_bias: Tensor, top_k: int, renormalize: bool,
+                       scaling: float) -> tuple[Tensor, Tensor]:
+    """``k3::sigmoid_topk_route`` in one launch: (weights fp32 [..., top_k], ids int64)."""
+    E = logits.shape[-1]
+    if logits.dtype not in _Z_DTYPES or not correction_bias.dtype.is_floating_point:
+        raise ValueError(f"sigmoid_topk_route: logits {logits.dtype} / bias {correction_bias.dtype} must be float")
+    if correction_bias.shape != (E,) or not 1 <= top_k <= E or E > MAX_EXPERTS:
+        raise ValueError(f"sigmoid_topk_route: logits {tuple(logits.shape)}, bias {tuple(correction_bias.shape)}, "
+                         f"top_k {top_k}: need bias [E], 1 <= top_k <= E <= {MAX_EXPERTS}")
+    x = logits.reshape(-1, E).contiguous()
+    weights = _empty((x.shape[0], top_k), torch.float32, x.device)
+    ids = _empty((x.shape[0], top_k), torch.int64, x.device)
+    if x.shape[0]:
+        block_e = triton.next_power_of_2(E)
+        _route_kernel[(x.shape[0],)](x, correction_bias.contiguous(), weights, ids, E, float(scaling),
+                                     TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                                     RENORMALIZE=bool(renormalize), num_warps=ROUTE_WARPS)
+    shape = (*logits.shape[:-1], top_k)
+    return weights.view(shape), ids.view(shape)
+
+
+def _check_experts(z: Tensor, weights: Tensor, ids: Tensor, w1p: Tensor, w1s: Tensor, w3p: Tensor, w3s: Tensor,
+                   w2p: Tensor, w2s: Tensor) -> tuple[int, int, int, int, int]:
+    """(T, D, I, E, K) after checking dtypes, shapes, devices and contiguity."""
+    if z.dim() != 2 or z.dtype not in _Z_DTYPES:
+        raise ValueError(f"moe_experts_mxfp4: z must be [T, D] bf16/fp16/fp32, got {tuple(z.shape)} {z.dtype}")
+    T, D = z.shape
+    if weights.dim() != 2 or weights.shape[0] != T or ids.shape != weights.shape:
+        raise ValueError(f"moe_experts_mxfp4: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
+                         f"[T={T}, top_k]")
+    if not weights.dtype.is_floating_point or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"moe_experts_mxfp4: weights must be floating point (used as fp32) and ids int64/int32, "
+                         f"got {weights.dtype}, {ids.dtype}")
+    if w1p.dim() != 3:
+        raise ValueError(f"moe_experts_mxfp4: w1_packed must be [E, I, D/2], got {list(w1p.shape)}")
+    E, I = w1p.shape[0], w1p.shape[1]
+    want = {"w1_packed": (w1p, (E, I, D // 2)), "w1_scale": (w1s, (E, I, D // 32)),
+            "w3_packed": (w3p, (E, I, D // 2)), "w3_scale": (w3s, (E, I, D // 32)),
+            "w2_packed": (w2p, (E, D, I // 2)), "w2_scale": (w2s, (E, D, I // 32))}
+    if D % 32 or I % 32 or I <= 0 or D <= 0:
+        raise ValueError(f"moe_experts_mxfp4: D={D} and I={I} must be positive multiples of 32 (the scale group)")
+    for name, (t, shape) in want.items():
+        if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+            raise ValueError(f"moe_experts_mxfp4: {name} must be uint8 {list(shape)}, got {t.dtype} "
+                             f"{list(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"moe_experts_mxfp4: {name} must be contiguous (the checkpoint layout)")
+        if t.device != z.device:
+            raise ValueError(f"moe_experts_mxfp4: {name} is on {t.device}, z on {z.device}")
+    K = ids.shape[1]
+    if not 1 <= K <= E:
+        raise ValueError(f"moe_experts_mxfp4: top_k={K} must be in [1, E={E}]")
+    if weights.device != z.device or ids.device != z.device:
+        raise ValueError("moe_experts_mxfp4: z, weights and ids must be on one device")
+    return T, D, I, E, K
+
+
+def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor, w1_scale: Tensor,
+                      w3_packed: Tensor, w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
+                      situ_beta: float, situ_linear_beta: float, plan: MoePlan | None = None) -> Tensor:
+    """``k3::moe_experts_mxfp4``: 3 launches pair-major, 4 grouped (see the module
+    docstring); ``plan`` defaults to :func:`choose_plan` for the device's target."""
+    T, D, I, E, K = _check_experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    out = _empty(z.shape, z.dtype, z.device)
+    P = T * K
+    if T == 0:
+        return out
+    plan = plan or choose_plan(P, E, device_target(z.device))
+    _check_plan(plan)
+    z, weights, ids = z.contiguous(), weights.float().contiguous(), ids.contiguous()
+    dev = z.device
+    h = _empty((P, I), z.dtype, dev)
+    y = _empty((P, D), torch.float32, dev)
+    if plan.grouped:
+        n_blocks = grouped_blocks(P, E, plan.block_m)
+        sorted_pairs = _empty((n_blocks * plan.block_m,), torch.int32, dev)
+        block_expert = _empty((n_blocks,), torch.int32, dev)
+        _align_kernel[(1,)](ids, sorted_pairs, block_expert, P, n_blocks, plan.block_m,
+                            E_POW2=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=4)
+    else:
+        n_blocks, sorted_pairs, block_expert = P, ids, ids  # not read
+    common = {"TOP_K": K, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m, "ROUND_BY_HAND": _INTERPRETED}
+    g13, g2 = _fit(plan.w13, I, D), _fit(plan.w2, D, I)
+    tiles = n_blocks * triton.cdiv(I, g13.block_n)
+    if g13.split_k > 1:
+        ws = _empty((g13.split_k * tiles * 2 * g13.block_n * plan.block_m,), torch.float32, dev)
+        counters = _counters.get(dev, tiles)
+    else:
+        ws = counters = h  # not read
+    _expert_gemm_kernel[(n_blocks, triton.cdiv(I, g13.block_n), g13.split_k)](
+        z, ids, sorted_pairs, block_expert, w1_packed, w1_scale, w3_packed, w3_scale, h, ws, counters,
+        P, I, D, float(situ_beta), float(situ_linear_beta), GLU=True, BLOCK_N=g13.block_n, BLOCK_K=g13.block_k,
+        SCALE_WORDS=_scale_words(D, g13.block_k, w1_scale, w3_scale), PREFETCH_X=_prefetch_x(g13),
+        SPLIT_K=g13.split_k, **common, num_warps=g13.num_warps, num_stages=g13.num_stages)
+    _expert_gemm_kernel[(n_blocks, triton.cdiv(D, g2.block_n), 1)](
+        h, ids, sorted_pairs, block_expert, w2_packed, w2_scale, w2_packed, w2_scale, y, y, y,
+        P, D, I, 1.0, 1.0, GLU=False, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k,
+        SCALE_WORDS=_scale_words(I, g2.block_k, w2_scale),
+        PREFETCH_X=_prefetch_x(g2), SPLIT_K=1,
+        **common, num_warps=g2.num_warps, num_stages=g2.num_stages)
+    block_t = 4 if _INTERPRETED else 1
+    _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, COMBINE_BLOCK))](
+        y, weights, out, T, D, TOP_K=K, BLOCK_T=block_t, BLOCK_D=COMBINE_BLOCK, ROUND_BY_HAND=_INTERPRETED,
+        num_warps=4)
+    return out
+
+
+def register_cuda_kernels() -> None:
+    """Use these kernels for ``k3::sigmoid_topk_route`` and ``k3::moe_experts_mxfp4`` on
+    CUDA/ROCm tensors (registering again replaces the same functions)."""
+    from k3compile.ops import moe
+
+    moe.sigmoid_topk_route.register_kernel("cuda")(sigmoid_topk_route)
+
+    def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                situ_beta, situ_linear_beta):
+        return moe_experts_mxfp4(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                                 situ_beta, situ_linear_beta)
+
+    moe.moe_experts_mxfp4.register_kernel("cuda")(experts)
+
+
+# --------------------------------------------------------------------------- AOT
+
+
+@dataclass(frozen=True)
+class AotLaunch:
+    """One kernel specialisation as the launchers run it (for aot.CompileRequest)."""
+
+    name: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int = 1
+    divisible_by_16: tuple[str, ...] = ()
+
+
+def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
+    return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+
+
+def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: int = 384,
+                 dtype: torch.dtype = torch.bfloat16) -> list[AotLaunch]:
+    """Every specialisation the launchers pick with ``target``'s default plans at one TP8
+    rank's K3 shapes: routing, combine, and per distinct plan the align kernel (grouped)
+    and the w13 / w2 products. Integer arguments that are multiples of 16 there are marked
+    so, as Triton's JIT specialises them at launch."""
+    t = _Z_DTYPES[dtype]
+    launches = []
+    c = {"TOP_K": top_k, "K_POW2": triton.next_power_of_2(top_k), "BLOCK_E": triton.next_power_of_2(E),
+         "RENORMALIZE": True}
+    launches.append(AotLaunch("route", _route_kernel, _sig(_route_kernel, {
+        "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "scaling": "fp32"},
+        c), c, ROUTE_WARPS))
+    c = {"TOP_K": top_k, "BLOCK_T": 1, "BLOCK_D": COMBINE_BLOCK, "ROUND_BY_HAND": False}
+    launches.append(AotLaunch("combine", _combine_kernel, _sig(_combine_kernel, {
+        "y_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}, c), c, 4, 1, ("D",)))
+    c = {"E_POW2": triton.next_power_of_2(E), "CHUNK": ALIGN_CHUNK}
+    launches.append(AotLaunch("align", _align_kernel, _sig(_align_kernel, {
+        "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}, c), c, 4))
+    plans = PLANS[target]
+    seen = set()
+    for label, plan in (("pair", plans.pair), ("grouped", plans.grouped), ("grouped_large", plans.grouped_large)):
+        for glu, g, n, kd in ((True, _fit(plan.w13, I, D), I, D), (False, _fit(plan.w2, D, I), D, I)):
+            key = (glu, plan.grouped, plan.block_m, g)
+            if key in seen:
+                continue
+            seen.add(key)
+            c = {"TOP_K": top_k, "GLU": glu, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m,
+                 "BLOCK_N": g.block_n, "BLOCK_K": g.block_k, "SCALE_WORDS": _scale_words(kd, g.block_k),
+                 "PREFETCH_X": _prefetch_x(g), "ROUND_BY_HAND": False, "SPLIT_K": g.split_k}
+            table = "*i32" if plan.grouped else "*i64"  # pair-major passes ids there (not read)
+            types = {"x_ptr": f"*{t}", "ids_ptr": "*i64", "sorted_ptr": table, "block_expert_ptr": table,
+                     "wa_ptr": "*u8", "sa_ptr": "*u8", "wb_ptr": "*u8", "sb_ptr": "*u8",
+                     "out_ptr": f"*{t}" if glu else "*fp32", "ws_ptr": "*fp32", "counter_ptr": "*i32",
+                     "beta": "fp32", "linear_beta": "fp32"}
+            div = tuple(a for a, v in (("N", n), ("KD", kd)) if v % 16 == 0)
+            launches.append(AotLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
+                                      _sig(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div))
+    return launches

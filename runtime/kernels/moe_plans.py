@@ -1,0 +1,132 @@
+"""Launch plans of the routed-expert kernels (``moe.py``): tiles per product, the path
+(pair-major or grouped) per batch, per target, and the choice between them.
+
+The sm_90 plans come from H200 measurements (``benchmarks/moe_probe.py``,
+``benchmarks/moe_layer.py``; BENCHMARKS.md, docs/kernels.md); the AMD ones from compiled
+resources only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Tiles of one expert product: weight rows per program (the MMA's M: 16/32 use
+    mma.sync on sm_90, 64+ wgmma), input columns per step (a multiple of 32: one scale
+    column per 32), warps, software-pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+    #: programs per weight tile, each over its share of the inputs (w13 only): a batch-1
+    #: step has 16 experts x 24 row tiles, too few programs to keep every SM issuing
+    split_k: int = 1
+
+    def __str__(self) -> str:
+        split = f"x{self.split_k}" if self.split_k > 1 else ""
+        return f"n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}{split}"
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """One launch plan of the experts: pair-major (``grouped`` False: one pair per
+    program, block_m 16 with one real column) or grouped (block_m pairs of one expert per
+    program), and the tiles of the w13 and w2 products."""
+
+    grouped: bool
+    block_m: int
+    w13: GemmPlan
+    w2: GemmPlan
+
+    def __str__(self) -> str:
+        return f"{'grouped' if self.grouped else 'pair'} m{self.block_m} w13 {self.w13} w2 {self.w2}"
+
+
+@dataclass(frozen=True)
+class TargetPlans:
+    """A target's defaults: pair-major below ``grouped_min_pairs`` pairs (T * top_k);
+    grouped with ``grouped`` (few pairs per expert: decode batches) below
+    ``large_min_pairs_per_expert`` pairs per expert on average, ``grouped_large`` from it."""
+
+    pair: MoePlan
+    grouped: MoePlan
+    grouped_large: MoePlan
+    grouped_min_pairs: int
+    large_min_pairs_per_expert: int
+
+
+# H200 (132 SMs), from benchmarks/moe_probe.py and moe_layer.py (BENCHMARKS.md). A warp's
+# MMA tile is 16 weight rows: a 16-row tile with 4 warps made every warp decode the same
+# tile (4x the instructions), so 16-row tiles run one warp per program; 64-row (wgmma)
+# tiles were slower at every batch measured. w13 in two K splits (batch 1: 16 experts x 24
+# row tiles x 2 programs): 76 us against 83 unsplit at batch 1, within 8% of unsplit up to
+# T = 16, and the unsplit pair-major w13 spills 2 registers under Triton 3.6. Pair-major beat
+# grouped up to T = 16 (816 against 835 us unsplit); grouped from T = 32.
+_SM90 = TargetPlans(
+    pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 4, split_k=2), GemmPlan(16, 128, 1, 3)),
+    grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 4), GemmPlan(16, 128, 1, 3)),
+    grouped_large=MoePlan(True, 64, GemmPlan(64, 128, 8, 3), GemmPlan(64, 128, 8, 3)),
+    grouped_min_pairs=512,  # T = 32 at top_k 16
+    large_min_pairs_per_expert=16,
+)
+# MI355X / MI300X (256 / 304 CUs, 64-wide waves): the H200's lesson (one warp per 16-row
+# tile, no duplicated decoding) with two stages (the AMD stream pipeliner's default); the
+# grouped prefill tiles 64 rows. From the AOT resources (no spills), not measured on hardware.
+_CDNA = TargetPlans(
+    pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
+    grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
+    grouped_large=MoePlan(True, 64, GemmPlan(64, 128, 8, 2), GemmPlan(64, 128, 8, 2)),
+    grouped_min_pairs=512,
+    large_min_pairs_per_expert=16,
+)
+PLANS: dict[str, TargetPlans] = {"sm_90": _SM90, "gfx950": _CDNA, "gfx942": _CDNA}
+
+
+def device_target(device: torch.device) -> str:
+    """The plan table's key for a device: "gfx950" / "gfx942" on ROCm, "sm_90" otherwise
+    (other NVIDIA GPUs and the CPU interpreter use the H200's plans)."""
+    if device.type == "cuda" and torch.version.hip:
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        return arch if arch in PLANS else "gfx942"
+    return "sm_90"
+
+
+def choose_plan(pairs: int, experts: int, target: str = "sm_90") -> MoePlan:
+    """The default plan for ``pairs`` (T * top_k) routed pairs over ``experts``."""
+    plans = PLANS[target]
+    if pairs < plans.grouped_min_pairs:
+        return plans.pair
+    if pairs >= plans.large_min_pairs_per_expert * min(experts, pairs):
+        return plans.grouped_large
+    return plans.grouped
+
+
+def _fit(g: GemmPlan, rows: int, kd: int) -> GemmPlan:
+    """Tiles for a product of ``rows`` weight rows over ``kd`` inputs: block_k must divide
+    kd (no K masks), block_n need not exceed the rows (small test shapes)."""
+    block_k = min(g.block_k, kd & -kd)  # the largest power of two dividing kd (>= 32)
+    return replace(g, block_k=block_k, block_n=min(g.block_n, max(16, triton.next_power_of_2(rows))),
+                   split_k=min(g.split_k, kd // block_k))
+
+
+def _check_plan(plan: MoePlan) -> None:
+    if plan.w2.split_k != 1 or plan.w13.split_k < 1:
+        raise ValueError(f"moe plan {plan}: only the w13 product splits K (split_k >= 1)")
+    for g in (plan.w13, plan.w2):
+        if not all(v > 0 and v & (v - 1) == 0 for v in (g.block_n, g.block_k, g.num_warps)):
+            raise ValueError(f"moe plan {plan}: block_n, block_k and num_warps must be powers of two")
+        if g.block_n < 16 or g.block_k < 32 or g.num_stages < 1:
+            raise ValueError(f"moe plan {plan}: needs block_n >= 16, block_k >= 32, num_stages >= 1")
+    if plan.block_m < 16 or plan.block_m & (plan.block_m - 1) or (not plan.grouped and plan.block_m != 16):
+        raise ValueError(f"moe plan {plan}: block_m must be a power of two >= 16 (16 on the pair-major path)")
+
+
+def grouped_blocks(pairs: int, experts: int, block_m: int) -> int:
+    """Worst-case blocks of the grouped grid: every expert's segment padded to block_m."""
+    return triton.cdiv(pairs, block_m) + min(experts, pairs)
