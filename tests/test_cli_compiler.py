@@ -124,7 +124,7 @@ def test_optimize_writes_artifact(compiled, model_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--enable", "fuse_everything"], "--enable: unknown pass 'fuse_everything'; known passes: remove_noops, dedup_replicated_linear, sink_copies"),
+        (["--enable", "fuse_everything"], "--enable: unknown pass 'fuse_everything'; known passes: remove_noops, mxfp4_experts, dedup_replicated_linear, sink_copies"),
         (["--disable", "remove_noops,nope"], "--disable: unknown pass 'nope'"),
         (["--target", "tpu"], "--target: unknown target 'tpu'; choose one of h200, mi355x, mi300x, cpu"),
         (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8'; choose one of bfloat16, float32"),
@@ -292,7 +292,7 @@ def test_moved_checkpoint_warns_in_inspect_fails_in_run(compiled, tmp_path):
 
 def test_tp2_artifact_needs_torchrun(model_dir, tmp_path):
     out = tmp_path / "tiny-tp2.k3c"
-    result = invoke("optimize", model_dir, "-o", out, "--tp", "2", "--dtype", "float32", "--disable", "remove_noops,dedup_replicated_linear,sink_copies")
+    result = invoke("optimize", model_dir, "-o", out, "--tp", "2", "--dtype", "float32", "--disable", "remove_noops,mxfp4_experts,dedup_replicated_linear,sink_copies")
     assert result.exit_code == 0, result.output
     assert "remove_noops" not in result.stdout and "Passes: none ran" in result.stdout
     assert f"torchrun --nproc-per-node 2 -m k3compile run {out}" in result.stdout
