@@ -151,7 +151,7 @@ class MemoryPlan:
                 continue
             if weight_kind(self.specs[spec_in.target].names[0]) == "routed experts":
                 dtype = self.program.state_dict[spec_in.target].dtype
-                return "MXFP4 codes + scales (uint8)" if dtype == torch.uint8 else f"dense {dtype}"
+                return "MXFP4 codes + scales (uint8)" if dtype == torch.uint8 else f"dense {str(dtype).removeprefix('torch.')}"
         return None
 
     def after(self, pass_name: str) -> MemoryEstimate:

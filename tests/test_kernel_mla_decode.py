@@ -278,8 +278,7 @@ def test_every_kernel_compiles_and_fits_amd_targets():
     builds = [(launch, target) for backend, targets in (("hip", ("gfx950", "gfx942")), ("cuda", ("sm_90",)))
               for launch in mk.aot_launches(backend, qk_dim=576, value_dim=512, dtype=torch.bfloat16)
               for target in targets]
-    requests = [aot.CompileRequest(launch.fn, launch.signature, launch.constexprs, target, launch.num_warps,
-                                   launch.num_stages, launch.divisible_by_16) for launch, target in builds]
+    requests = [launch.request(target) for launch, target in builds]
     results = aot.compile_many(requests)  # one subprocess under the interpreter
     for (launch, target), res in zip(builds, results, strict=True):
         print(f"{launch.name} (stages {launch.num_stages}): {res}")

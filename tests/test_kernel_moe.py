@@ -433,9 +433,7 @@ TARGETS = ("gfx950", "gfx942", "sm_90")
 def aot_reports() -> dict[tuple[str, str], aot.KernelResources]:
     """Every specialisation of moe.aot_requests for every target. Under the interpreter
     aot compiles in a subprocess: two batches in two subprocesses at once (CI has 2 cores)."""
-    jobs = {(t, launch.name): aot.CompileRequest(launch.fn, launch.signature, launch.constexprs, t, launch.num_warps,
-                                                 launch.num_stages, launch.divisible_by_16)
-            for t in TARGETS for launch in moe.aot_requests(t)}
+    jobs = {(t, launch.name): launch.request(t) for t in TARGETS for launch in moe.aot_requests(t)}
     keys = list(jobs)
     if aot._language_interpreted():
         halves = [keys[0::2], keys[1::2]]

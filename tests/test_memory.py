@@ -62,6 +62,7 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
     assert ok.exit_code == 0, ok.output
     assert "+ dedup_replicated_linear" in ok.stdout and "saved" in ok.stdout
     assert "passes that ran without changing memory: remove_noops, mxfp4_experts, sink_copies" in ok.stdout
+    assert "routed experts held as dense bfloat16" in ok.stdout  # the tiny preset's experts are bf16
     errors = {
         ("--tp", "3"): "--tp 3:",
         ("--dcp", "3"): "--dcp 3: must be a divisor of --tp 2",
@@ -90,7 +91,9 @@ def test_plan_tiny_dcp2_halves_the_mla_cache():
 
 @pytest.mark.slow
 def test_plan_full_k3_tp8_dcp8_reports_the_dedup_and_dcp_savings():
-    """The full 2.8T config on meta, TP8 with DCP8: the dedup pass saves 7/8 of every
+    """The full 2.8T config on meta, TP8 with DCP8: mxfp4_experts holds the routed experts
+    as codes + scales (17/32 bytes per value instead of 2), so the model fits an MI355X
+    with room for caches; the dedup pass saves 7/8 of every
     routed-expert up-projection (7168 x 3584 bf16) on each GPU, the DCP pass 7/8 of the
     MLA latent cache (24 layers x 576 bf16 per token); after sink_copies the decode graph
     has no copy left outside the one cond branch that reads it (69 KDA layers)."""
@@ -98,6 +101,11 @@ def test_plan_full_k3_tp8_dcp8_reports_the_dedup_and_dcp_savings():
     context = 131072
     plan = plan_memory(cfg, MemoryOptions(tp=8, dcp=8, target="mi355x", context=context, sequences=1,
                                           dtype=torch.bfloat16))
+    experts = _moe_layers(cfg) * 896 * 3 * 384 * 3584  # values per GPU: w1, w3, w2 of every expert
+    assert plan.stages[0][1].weights["routed experts"] == experts * 2  # dense bf16: 633.9 GiB
+    assert plan.after("mxfp4_experts").weights["routed experts"] == experts * 17 // 32  # codes + scales: 168.4 GiB
+    assert plan.routed_expert_format() == "MXFP4 codes + scales (uint8)"
+    assert plan.final.total + 64 * GiB < plan.hbm_bytes  # fits an MI355X with room for caches
     saved = plan.saved_by("dedup_replicated_linear")
     assert saved == _moe_layers(cfg) * 7168 * 3584 * 2 * 7 // 8
     assert 4.0 * GiB > saved > 3.5 * GiB

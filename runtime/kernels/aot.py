@@ -154,6 +154,26 @@ class CompileRequest:
     divisible_by_16: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel specialisation as a launcher runs it (the kernel modules list theirs so
+    that CI compiles exactly what runs): :meth:`request` makes it a CompileRequest."""
+
+    name: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int = 1
+    #: integer arguments that are multiples of 16 at K3's shapes: Triton's JIT specialises
+    #: them so at launch (it sizes the cache loads' vectors, hence cp.async, from them)
+    divisible_by_16: tuple[str, ...] = ()
+
+    def request(self, target: str) -> CompileRequest:
+        return CompileRequest(self.fn, self.signature, self.constexprs, target, self.num_warps, self.num_stages,
+                              self.divisible_by_16)
+
+
 def compile_for_target(
     fn,
     signature: dict[str, str],

@@ -68,6 +68,8 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3compile.runtime.kernels.aot import KernelLaunch
+
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
 
@@ -397,21 +399,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------
 # Launch configuration (shared by the launchers and the AOT check)
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KernelLaunch:
-    """One kernel specialisation as the launchers run it: what aot.compile_for_target needs."""
-
-    name: str
-    fn: object
-    signature: dict[str, str]
-    constexprs: dict[str, object]
-    num_warps: int
-    num_stages: int = 1
-    #: integer arguments that are multiples of 16 at K3's shapes: Triton's JIT specialises
-    #: them so at launch (it sizes the cache loads' vectors, hence cp.async, from them)
-    divisible_by_16: tuple[str, ...] = ()
 
 
 # Generic and prefill kernels: 4 warps; with 8, AMD's 16-row MFMA tiles are replicated

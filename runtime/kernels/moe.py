@@ -70,14 +70,13 @@ would need a host sync), top_k <= E <= MAX_EXPERTS.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from k3compile.runtime.kernels.aot import KernelLaunch
 from k3compile.runtime.kernels.counters import ArrivalCounters
 from k3compile.runtime.kernels.moe_plans import (  # noqa: F401  (the plans are part of this module's API)
     PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, device_target, grouped_blocks,
@@ -467,25 +466,12 @@ def register_cuda_kernels() -> None:
 # --------------------------------------------------------------------------- AOT
 
 
-@dataclass(frozen=True)
-class AotLaunch:
-    """One kernel specialisation as the launchers run it (for aot.CompileRequest)."""
-
-    name: str
-    fn: object
-    signature: dict[str, str]
-    constexprs: dict[str, object]
-    num_warps: int
-    num_stages: int = 1
-    divisible_by_16: tuple[str, ...] = ()
-
-
 def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
     return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
 
 
 def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: int = 384,
-                 dtype: torch.dtype = torch.bfloat16) -> list[AotLaunch]:
+                 dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     """Every specialisation the launchers pick with ``target``'s default plans at one TP8
     rank's K3 shapes: routing, combine, and per distinct plan the align kernel (grouped)
     and the w13 / w2 products. Integer arguments that are multiples of 16 there are marked
@@ -494,14 +480,14 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
     launches = []
     c = {"TOP_K": top_k, "K_POW2": triton.next_power_of_2(top_k), "BLOCK_E": triton.next_power_of_2(E),
          "RENORMALIZE": True}
-    launches.append(AotLaunch("route", _route_kernel, _sig(_route_kernel, {
+    launches.append(KernelLaunch("route", _route_kernel, _sig(_route_kernel, {
         "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "scaling": "fp32"},
         c), c, ROUTE_WARPS))
     c = {"TOP_K": top_k, "BLOCK_T": 1, "BLOCK_D": COMBINE_BLOCK, "ROUND_BY_HAND": False}
-    launches.append(AotLaunch("combine", _combine_kernel, _sig(_combine_kernel, {
+    launches.append(KernelLaunch("combine", _combine_kernel, _sig(_combine_kernel, {
         "y_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}, c), c, 4, 1, ("D",)))
     c = {"E_POW2": triton.next_power_of_2(E), "CHUNK": ALIGN_CHUNK}
-    launches.append(AotLaunch("align", _align_kernel, _sig(_align_kernel, {
+    launches.append(KernelLaunch("align", _align_kernel, _sig(_align_kernel, {
         "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}, c), c, 4))
     plans = PLANS[target]
     seen = set()
@@ -520,6 +506,6 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
                      "out_ptr": f"*{t}" if glu else "*fp32", "ws_ptr": "*fp32", "counter_ptr": "*i32",
                      "beta": "fp32", "linear_beta": "fp32"}
             div = tuple(a for a, v in (("N", n), ("KD", kd)) if v % 16 == 0)
-            launches.append(AotLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
+            launches.append(KernelLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
                                       _sig(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div))
     return launches
