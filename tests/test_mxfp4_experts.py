@@ -115,3 +115,25 @@ def test_plan_k3_tp8_fits_an_mi355x_with_mxfp4_experts():
     per_layer_dense = 896 * 3 * 384 * 3584 * 2
     assert before.weights["routed experts"] == per_layer_dense
     assert after.weights["routed experts"] == 896 * 3 * 384 * 3584 * (0.5 + 1 / 32)
+
+
+def test_a_nan_scale_byte_is_refused_at_load(model_dirs, tmp_path):
+    """The runtime reads the scale bytes as they are: a 0xFF (NaN) scale would poison 32
+    weights, so loading names the tensor and file instead."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from k3compile.checkpoint.loader import CheckpointError
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(model_dirs("tiny", "mxfp4"), model_dir)
+    optimize(model_dir, tmp_path / "a", CompileOptions(dtype="float32"))
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "language_model.model.layers.4.block_sparse_moe.experts.6.w2.weight_scale"
+    shard = model_dir / index[name]
+    tensors = load_file(shard)
+    tensors[name][3, 1] = 0xFF
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.6\.w2\.weight_scale.*NaN scale bytes"):
+        runtime.load(tmp_path / "a", rank=0, world_size=1, options=OPTIONS)
