@@ -3,7 +3,7 @@ k3 ops' torch references and a test-local fp64 mirror of the kernels' rounding p
 launch plans; AOT compilation of every default specialisation for gfx950, gfx942, sm_90.
 
 Tolerances (stated once). u(dtype) is the unit roundoff: bf16 2^-8, fp16 2^-11, fp32 2^-24.
-- Against the MIRROR (_mirror: fp64 math with the kernel's rounding points: z and h as bf16
+- Against the MIRROR (_mirror: fp64 math with the kernel's rounding points: bf16 z and h as
   matrix operands, h first stored in z's dtype, nothing else rounded) the bound is derived
   per output element: |got - mirror| <= u(out) (|mirror| + A) + A. The first term is the
   kernel's one rounding of the output. A bounds what the kernel's fp32 arithmetic can move
@@ -13,8 +13,10 @@ Tolerances (stated once). u(dtype) is the unit roundoff: bf16 2^-8, fp16 2^-11, 
   (of z's dtype or of bf16) than its error bound propagated through the SiTU's derivatives,
   one bf16 step (<= 2^-7 |h|) times |W2[:, i]| times the slot's weight: such an element may
   round the other way in the kernel. Everything else must round as the mirror does.
-- Against the OP'S REFERENCE (k3::moe_experts_mxfp4 on the CPU: exact weights, bf16
-  matmuls) u = u(bf16) whatever z's dtype (the kernel's matrix operands are bf16): the
+- Against the OP'S REFERENCE (k3::moe_experts_mxfp4 on the CPU: exact weights, matmuls
+  in z's dtype) u = u(z's dtype), at least 2^-16 (fp16 / fp32 operands enter the kernel's
+  matrix unit as two bf16 parts, ~16 bits; the mirror adds 2^-16 of every product's
+  magnitude to its bound for them instead of rounding them to bf16): the
   reference rounds W1 z and W3 z before the SiTU (log-derivative <= ~3) and each slot's
   W2 h, besides h and the output: about six roundings of relative size u on terms of size
   <= max|out|, independent signs, so |got - ref| <= 2u |ref| + 8u max|ref| (8u: ~1.3x their
@@ -118,7 +120,7 @@ def _one_thread():
 
 @_one_thread()
 def _mirror(z, weights, ids, w, drop_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp64 with the kernel's rounding points: z and h as bf16 matrix operands (h first
+    """fp64 with the kernel's rounding points: bf16 z and h as matrix operands (h first
     stored in z's dtype), everything else exact; ``drop_slot``: that k slot left out.
 
     Also returns ALLOWANCE, a bound on how far the kernel's fp32 arithmetic may move each
@@ -127,7 +129,10 @@ def _mirror(z, weights, ids, w, drop_slot: int | None = None) -> tuple[torch.Ten
     bound (propagated through the SiTU's derivatives) to a rounding boundary of h's
     dtype or of bf16, one bf16 step (<= 2^-7 |h|) times |W2[:, i]| times the slot weight."""
     w1, w3, w2 = (unpack_mxfp4(w[i], w[i + 1], torch.float32).double() for i in (0, 2, 4))
-    zb = z.to(torch.bfloat16).double()
+    # fp16 / fp32 operands enter as two bf16 parts: relative error <= 2^-16, not rounded to bf16
+    two_parts = z.dtype != torch.bfloat16
+    split_err = 2.0**-16 if two_parts else 0.0
+    zb = z.double() if two_parts else z.to(torch.bfloat16).double()
     (T, K), (E, D, I) = ids.shape, w2.shape
     tok = torch.arange(T)[:, None]
 
@@ -135,7 +140,7 @@ def _mirror(z, weights, ids, w, drop_slot: int | None = None) -> tuple[torch.Ten
         return (x @ w13.reshape(E * I, D).T).view(T, E, I)[tok, ids]
 
     g, u = per_pair(w1, zb), per_pair(w3, zb)
-    dg, du = (D * F32 * 1.01 * per_pair(w.abs(), zb.abs()) for w in (w1, w3))
+    dg, du = ((D * F32 * 1.01 + split_err) * per_pair(w.abs(), zb.abs()) for w in (w1, w3))
     b, bl = BETA, LINEAR_BETA
     tg, sg, tu = torch.tanh(g / b), torch.sigmoid(g), torch.tanh(u / bl)
     gate, up = b * tg * sg, bl * tu
@@ -143,14 +148,16 @@ def _mirror(z, weights, ids, w, drop_slot: int | None = None) -> tuple[torch.Ten
     dgate = (1 - tg**2) * sg + b * tg * sg * (1 - sg)
     dh = (dgate * up).abs() * dg + (gate * (1 - tu**2)).abs() * du + 2.0**-16 * h.abs()
     stored = h.to(z.dtype).double()
-    flips = _near_boundary(h, z.dtype, dh) | _near_boundary(stored, torch.bfloat16, dh)
-    hr = stored.to(torch.bfloat16).double()
+    flips = _near_boundary(h, z.dtype, dh)
+    if not two_parts:
+        flips |= _near_boundary(stored, torch.bfloat16, dh)
+    hr = stored if two_parts else stored.to(torch.bfloat16).double()
     step = torch.where(flips, 2.0**-7 * (h.abs() + dh) * 1.01, 0.0)
     y, y_err = torch.zeros(T, K, D, dtype=torch.float64), torch.zeros(T, K, D, dtype=torch.float64)
     for e in ids.unique().tolist():
         m = ids == e
         y[m] = hr[m] @ w2[e].T
-        y_err[m] = step[m] @ w2[e].abs().T + I * F32 * (hr[m].abs() @ w2[e].abs().T)
+        y_err[m] = step[m] @ w2[e].abs().T + (I * F32 + split_err) * (hr[m].abs() @ w2[e].abs().T)
     wk = weights.double()[:, :, None].clone()
     if drop_slot is not None:
         wk[:, drop_slot] = 0
@@ -164,7 +171,7 @@ def _mirror_tol(ref_allowance: tuple[torch.Tensor, torch.Tensor], dtype: torch.d
 
 
 def _op_tol(ref: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    u = U[torch.bfloat16]  # the kernel's matrix operands are bf16 whatever z's dtype
+    u = max(U[dtype], 2.0**-16)  # fp16 / fp32 operands as two bf16 parts: ~16 bits
     return 2 * u * ref.abs(), 8 * u * ref.abs().max().item()
 
 
@@ -276,7 +283,7 @@ def test_large_batches(poisoned):
 
 
 @pytest.mark.parametrize(("dtype", "plan"), [(torch.float32, PAIR_WIDE), (torch.float16, GROUPED_16)])
-def test_fp32_and_fp16_inputs_multiply_in_bf16(poisoned, dtype, plan):
+def test_fp32_and_fp16_inputs_multiply_in_two_bf16_parts(poisoned, dtype, plan):
     _run_case(3, 4, SHAPE_A, plan, "random", dtype=dtype, seed=11)
 
 

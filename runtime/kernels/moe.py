@@ -50,12 +50,12 @@ Launches: routing 1; experts pair-major 3 (w13, w2, combine), grouped 4 (align +
 same three). The path and tiles come from a per-target :class:`MoePlan` table
 (:func:`choose_plan`): pair-major below ``grouped_min_pairs`` pairs (T * top_k).
 
-Numerics: z (bf16, or fp16 / fp32 cast to bf16 in registers) and h enter the matrix unit
-as bf16, the weights as exact bf16 values (E2M1 x 2^k); products accumulate in fp32. The
-SiTU-GLU runs in fp32 on the fp32 accumulators (the reference rounds W1 z and W3 z to z's
-dtype first), h is rounded to z's dtype (fp32 z: kept in fp32, rounded to bf16 only as a
-matrix operand), y = W2 h stays fp32, the k sum is fp32, the output is rounded once to z's
-dtype. fp16 / fp32 z therefore multiply in bf16 (the reference multiplies in z's dtype).
+Numerics: the weights enter the matrix unit as exact bf16 values (E2M1 x 2^k), bf16 z and
+h as they are, fp16 / fp32 z and h as two bf16 parts (the value rounded, then the
+remainder: about 16 significant bits, so fp32 artifacts stay close to their fp32
+reference); products accumulate in fp32. The SiTU-GLU runs in fp32 on the fp32
+accumulators (the reference rounds W1 z and W3 z to z's dtype first), h is rounded to z's
+dtype, y = W2 h stays fp32, the k sum is fp32, the output is rounded once to z's dtype.
 Under TRITON_INTERPRET (CPU tests) the kernels round to bf16 by hand (see ``_combine_kernel``): the
 interpreter's own fp32 -> bf16 cast truncates where GPUs round to nearest even.
 (Helpers are inlined and ``tl.full`` used for ``tl.zeros``: the interpreter pays ~3 ms for
@@ -213,6 +213,7 @@ def _expert_gemm_kernel(
         s_step: tl.constexpr = BLOCK_K // 32
         s_other: tl.constexpr = 127
     shifts = (tl.arange(0, 4) * 8)[None, None, :]
+    TWO_PARTS: tl.constexpr = x_ptr.dtype.element_ty != tl.bfloat16
     x_off = xrow.to(tl.int64)[None, :] * KD + tl.arange(0, BLOCK_K)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
     acc_a = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin (cheap interpreted)
     acc_b = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
@@ -231,21 +232,30 @@ def _expert_gemm_kernel(
             x_next = tl.load(x_ptr + x_off + tl.minimum(kb + 1, k_hi - 1) * BLOCK_K, mask=ok[None, :], other=0.0)
         else:
             x = tl.load(x_ptr + x_off + kb * BLOCK_K, mask=ok[None, :], other=0.0)
-        if ROUND_BY_HAND and x.dtype != tl.bfloat16:  # see _combine_kernel
-            xb = x.to(tl.float32).to(tl.int32, bitcast=True)
-            x = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        x = x.to(tl.bfloat16)
+        if TWO_PARTS:  # fp16 / fp32 x: its bf16 rounding and the remainder, ~16 significant bits
+            xf = x.to(tl.float32)
+            if ROUND_BY_HAND:  # see _combine_kernel
+                xb = xf.to(tl.int32, bitcast=True)
+                hi = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            else:
+                hi = xf.to(tl.bfloat16).to(tl.float32)
+            x_lo = (xf - hi).to(tl.bfloat16)
+            x = hi.to(tl.bfloat16)
         wa = tl.load(wa_ptr + w_off + kb * (BLOCK_K // 2), mask=rows_ok[:, None], other=0)
         sa = tl.load(sa_ptr + s_off + kb * s_step, mask=rows_ok[:, None], other=s_other)
         if SCALE_WORDS:
             sa = tl.reshape((sa[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
         acc_a = tl.dot_scaled(wa, sa, "e2m1", x, None, "bf16", acc_a)
+        if TWO_PARTS:
+            acc_a = tl.dot_scaled(wa, sa, "e2m1", x_lo, None, "bf16", acc_a)
         if GLU:
             wb = tl.load(wb_ptr + w_off + kb * (BLOCK_K // 2), mask=rows_ok[:, None], other=0)
             sb = tl.load(sb_ptr + s_off + kb * s_step, mask=rows_ok[:, None], other=s_other)
             if SCALE_WORDS:
                 sb = tl.reshape((sb[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
             acc_b = tl.dot_scaled(wb, sb, "e2m1", x, None, "bf16", acc_b)
+            if TWO_PARTS:
+                acc_b = tl.dot_scaled(wb, sb, "e2m1", x_lo, None, "bf16", acc_b)
     out_off = pairs.to(tl.int64)[None, :] * N + rows[:, None]
     out_mask = ok[None, :] & rows_ok[:, None]
     if SPLIT_K > 1:
