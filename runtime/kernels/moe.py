@@ -158,6 +158,22 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_blocks, BLOCK_M,
 
 
 @triton.jit
+def _mxfp4_step(acc, w_ptrs, s_ptrs, rows_ok, x, x_lo, s_other, shifts, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SCALE_WORDS: tl.constexpr, TWO_PARTS: tl.constexpr):
+    """acc += W @ x for one K step of one weight: codes [BLOCK_N, BLOCK_K / 2], scales as
+    bytes or as int32 words of four groups, x^T [BLOCK_K, BLOCK_M] in bf16 (plus its
+    remainder with TWO_PARTS)."""
+    w = tl.load(w_ptrs, mask=rows_ok[:, None], other=0)
+    s = tl.load(s_ptrs, mask=rows_ok[:, None], other=s_other)
+    if SCALE_WORDS:
+        s = tl.reshape((s[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
+    acc = tl.dot_scaled(w, s, "e2m1", x, None, "bf16", acc)
+    if TWO_PARTS:
+        acc = tl.dot_scaled(w, s, "e2m1", x_lo, None, "bf16", acc)
+    return acc
+
+
+@triton.jit
 def _expert_gemm_kernel(
     x_ptr,  # GLU: z [T, KD]; else h [P, KD]
     ids_ptr,  # [P] expert of each pair (pair-major)
@@ -232,6 +248,7 @@ def _expert_gemm_kernel(
             x_next = tl.load(x_ptr + x_off + tl.minimum(kb + 1, k_hi - 1) * BLOCK_K, mask=ok[None, :], other=0.0)
         else:
             x = tl.load(x_ptr + x_off + kb * BLOCK_K, mask=ok[None, :], other=0.0)
+        x_lo = x  # read only with TWO_PARTS
         if TWO_PARTS:  # fp16 / fp32 x: its bf16 rounding and the remainder, ~16 significant bits
             xf = x.to(tl.float32)
             if ROUND_BY_HAND:  # see _combine_kernel
@@ -241,21 +258,11 @@ def _expert_gemm_kernel(
                 hi = xf.to(tl.bfloat16).to(tl.float32)
             x_lo = (xf - hi).to(tl.bfloat16)
             x = hi.to(tl.bfloat16)
-        wa = tl.load(wa_ptr + w_off + kb * (BLOCK_K // 2), mask=rows_ok[:, None], other=0)
-        sa = tl.load(sa_ptr + s_off + kb * s_step, mask=rows_ok[:, None], other=s_other)
-        if SCALE_WORDS:
-            sa = tl.reshape((sa[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
-        acc_a = tl.dot_scaled(wa, sa, "e2m1", x, None, "bf16", acc_a)
-        if TWO_PARTS:
-            acc_a = tl.dot_scaled(wa, sa, "e2m1", x_lo, None, "bf16", acc_a)
+        acc_a = _mxfp4_step(acc_a, wa_ptr + w_off + kb * (BLOCK_K // 2), sa_ptr + s_off + kb * s_step, rows_ok,
+                            x, x_lo, s_other, shifts, BLOCK_N, BLOCK_K, SCALE_WORDS, TWO_PARTS)
         if GLU:
-            wb = tl.load(wb_ptr + w_off + kb * (BLOCK_K // 2), mask=rows_ok[:, None], other=0)
-            sb = tl.load(sb_ptr + s_off + kb * s_step, mask=rows_ok[:, None], other=s_other)
-            if SCALE_WORDS:
-                sb = tl.reshape((sb[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32]).to(tl.uint8)
-            acc_b = tl.dot_scaled(wb, sb, "e2m1", x, None, "bf16", acc_b)
-            if TWO_PARTS:
-                acc_b = tl.dot_scaled(wb, sb, "e2m1", x_lo, None, "bf16", acc_b)
+            acc_b = _mxfp4_step(acc_b, wb_ptr + w_off + kb * (BLOCK_K // 2), sb_ptr + s_off + kb * s_step,
+                                rows_ok, x, x_lo, s_other, shifts, BLOCK_N, BLOCK_K, SCALE_WORDS, TWO_PARTS)
     out_off = pairs.to(tl.int64)[None, :] * N + rows[:, None]
     out_mask = ok[None, :] & rows_ok[:, None]
     if SPLIT_K > 1:
