@@ -1,4 +1,4 @@
-"""Shared fixtures: generated tiny K3 checkpoints (real safetensors files), one per preset."""
+"""Shared fixtures: generated tiny K3 checkpoints (real safetensors files), cached per session."""
 
 from __future__ import annotations
 
@@ -14,22 +14,30 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from checkpoint_files import SHARD_BYTES
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.config import PRESETS
 
 
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """model_dirs(preset, experts="bf16") -> Path of a generated checkpoint (cached per session)."""
-    root = tmp_path_factory.mktemp("models")
-    cache: dict[tuple[str, str], Path] = {}
+def ckpt(tmp_path_factory: pytest.TempPathFactory):
+    """ckpt(preset, experts, seed, shard_bytes) -> a generated model dir (cached per session)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    cache: dict[tuple, Path] = {}
 
-    def get(preset: str, experts: str = "bf16") -> Path:
-        key = (preset, experts)
+    def get(preset: str = "tiny", experts: str = "bf16", seed: int = 7, shard_bytes: int = SHARD_BYTES) -> Path:
+        key = (preset, experts, seed, shard_bytes)
         if key not in cache:
-            cache[key] = generate_model_dir(
-                PRESETS[preset], root / f"{preset}-{experts}", GenerateOptions(experts=experts, seed=1, shard_bytes=256_000)
-            )
+            out = root / f"{preset}-{experts}-{seed}-{shard_bytes}"
+            opts = GenerateOptions(experts=experts, seed=seed, shard_bytes=shard_bytes)
+            assert generate_model_dir(PRESETS[preset], out, opts) == out
+            cache[key] = out
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_dirs(ckpt):
+    """model_dirs(preset, experts="bf16") -> Path of a generated checkpoint (seed 1)."""
+    return lambda preset, experts="bf16": ckpt(preset, experts, seed=1, shard_bytes=256_000)
