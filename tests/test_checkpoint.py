@@ -458,3 +458,28 @@ def test_wrong_prefix_names_the_prefixed_tensor(ckpt):
     assert_names(str(info.value), P + "model.embed_tokens.weight", d / INDEX_FILE)
 
 
+
+
+def test_the_index_decides_the_experts_format(ckpt, tmp_path):
+    """quantization_config may be wrong or missing: the experts' tensors in the index decide;
+    an index that holds both forms is refused."""
+    from k3compile.checkpoint.loader import load_checkpoint_config
+
+    def claim_mxfp4(d: Path) -> None:
+        hf = json.loads((d / "config.json").read_text())
+        hf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+        (d / "config.json").write_text(json.dumps(hf))
+
+    d = broken(ckpt("tiny", "bf16"), tmp_path / "claims", claim_mxfp4)
+    assert load_config(d).expert_format == "mxfp4" and load_checkpoint_config(d).expert_format == "bf16"
+    assert load_checkpoint_config(ckpt("tiny", "mxfp4")).expert_format == "mxfp4"
+
+    def add_a_dense_expert(d: Path) -> None:
+        index = json.loads((d / INDEX_FILE).read_text())
+        name = P + "model.layers.1.block_sparse_moe.experts.0.w1.weight"
+        index["weight_map"][name] = next(iter(index["weight_map"].values()))
+        (d / INDEX_FILE).write_text(json.dumps(index))
+
+    d = broken(ckpt("tiny", "mxfp4"), tmp_path / "mixed", add_a_dense_expert)
+    with pytest.raises(CheckpointError, match="some routed experts are MXFP4 .* and some bf16"):
+        load_checkpoint_config(d)

@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -35,15 +34,12 @@ from typing import Iterator, Sequence
 import torch
 from safetensors.torch import save_file
 
-from k3compile.checkpoint.mxfp4 import GROUP_SIZE, unpack_mxfp4
+from k3compile.checkpoint.mxfp4 import GROUP_SIZE, is_routed_expert, unpack_mxfp4
 from k3compile.config import EXPERT_FORMATS, ExpertFormat, K3Config, config_to_hf_dict
 from k3compile.sharding import CHECKPOINT_TORCH_DTYPES, ParallelPlan, ShardSpec, shard_specs
 
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "w2", "routed_expert_up_proj")
 
-#: A routed expert's logical weight (the tensors a checkpoint may store as MXFP4); the same
-#: set as the ``targets`` of ``config.MXFP4_QUANTIZATION_CONFIG``.
-_ROUTED_EXPERT = re.compile(r"(?:^|\.)block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 _PACKED, _SCALE = ".weight_packed", ".weight_scale"
 
 #: rms of a uniformly random E2M1 code (all 16 nibbles equally likely): the magnitudes
@@ -94,11 +90,6 @@ def _checkpoint_specs(cfg: K3Config) -> list[ShardSpec]:
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, ParallelPlan())
     return list(shard_specs(model).values())
-
-
-def is_routed_expert(name: str) -> bool:
-    """Whether ``name`` (checkpoint name, prefix or not) is a routed expert's ``w1/w2/w3.weight``."""
-    return _ROUTED_EXPERT.search(name) is not None
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

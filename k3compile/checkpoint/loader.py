@@ -16,7 +16,6 @@ the headers are read and checked, so configs far larger than memory can be valid
 from __future__ import annotations
 
 import json
-import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +25,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from k3compile.checkpoint.mxfp4 import E8M0_NAN, GROUP_SIZE, check_mxfp4_shapes, unpack_mxfp4
+from k3compile.checkpoint.mxfp4 import E8M0_NAN, GROUP_SIZE, check_mxfp4_shapes, is_routed_expert, unpack_mxfp4
 from k3compile.config import ExpertFormat, K3Config, load_config
 from k3compile.sharding import ParallelPlan, ShardSpec, shard_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"bf16": "BF16", "f32": "F32", "u8": "U8"}
-_ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.(weight|weight_packed)$")
 
 
 class CheckpointError(ValueError):
@@ -108,12 +106,13 @@ def stored_expert_format(model_dir: str | Path, cfg: K3Config) -> ExpertFormat:
     they are ``weight_packed`` + ``weight_scale``, "bf16" when they are plain weights, the
     config's own value when the model has no routed experts. A mix is an error."""
     with CheckpointReader(model_dir, cfg.checkpoint_prefix) as reader:
-        kinds = {m.group(1) for name in reader.weight_map if (m := _ROUTED_EXPERT.search(name))}
-    if kinds == {"weight", "weight_packed"}:
+        kinds: set[ExpertFormat] = {
+            "mxfp4" if name.endswith("_packed") else "bf16"
+            for name in reader.weight_map if is_routed_expert(name.removesuffix("_packed"))
+        }
+    if len(kinds) > 1:
         raise CheckpointError(f"{reader.index_path}: some routed experts are MXFP4 (weight_packed) and some bf16")
-    if not kinds:
-        return cfg.expert_format
-    return "mxfp4" if kinds == {"weight_packed"} else "bf16"
+    return kinds.pop() if kinds else cfg.expert_format
 
 
 def load_checkpoint_config(model_dir: str | Path) -> K3Config:

@@ -36,6 +36,7 @@ saturating at +-6.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import torch
@@ -47,10 +48,21 @@ __all__ = [
     "unpack_mxfp4",
     "pack_mxfp4",
     "check_mxfp4_shapes",
+    "is_routed_expert",
 ]
 
 GROUP_SIZE = 32
 """Input-dim elements sharing one E8M0 scale byte."""
+
+#: The weights a K3 checkpoint stores in this format: its routed experts' projections (the
+#: ``targets`` of ``config.MXFP4_QUANTIZATION_CONFIG``).
+_ROUTED_EXPERT = re.compile(r"(?:^|\.)block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` (prefixed or not) is a routed expert's logical
+    ``w1``/``w2``/``w3`` ``.weight`` (stored as ``.weight_packed`` + ``.weight_scale`` when MXFP4)."""
+    return _ROUTED_EXPERT.search(name) is not None
 
 E8M0_NAN = 0xFF
 """The one E8M0 encoding that is not a power of two."""
