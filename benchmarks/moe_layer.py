@@ -120,7 +120,7 @@ def plan_of(grouped: bool, block_m: int, w13, w2) -> moe.MoePlan:
 
 def grouped_plan(T: int, target: str) -> moe.MoePlan:
     """The grouped plan the launcher would pick at T, or past the threshold if T is below it."""
-    return moe.choose_plan(max(T * TOP_K, moe.PLANS[target].grouped_min_pairs), E, target)
+    return moe.choose_plan(max(T * TOP_K, moe.PLANS[target].grouped_min_pairs), target)
 
 
 def sweep_plans(base: moe.MoePlan) -> list[moe.MoePlan]:
@@ -198,7 +198,7 @@ def main() -> None:
                                      for lg, _ in calls], args.repeats)
         row["experts_s"] = graph_time([experts(i) for i in n], args.repeats)
         row["route_experts_s"] = graph_time([both(i) for i in n], args.repeats)
-        row["default_plan"] = str(moe.choose_plan(T * TOP_K, E, target))
+        row["default_plan"] = str(moe.choose_plan(T * TOP_K, target))
 
         z0, wt0, ids0 = calls[0][1], *routed[0]
         row["reference_graph_s"] = graph_time([lambda: _experts_reference(z0, wt0, ids0, w1d, w3d, w2d, BETA,

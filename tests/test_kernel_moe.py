@@ -392,9 +392,9 @@ def test_align_tables():
 
 def test_plans_and_dispatch():
     sm90 = moe.PLANS["sm_90"]
-    assert moe.choose_plan(16, 896) == sm90.pair  # batch 1
-    assert moe.choose_plan(sm90.grouped_min_pairs, 896) == sm90.grouped
-    assert moe.choose_plan(4096 * 16, 896) == sm90.grouped_large  # prefill: 73 pairs per expert
+    assert moe.choose_plan(16) == sm90.pair  # batch 1
+    assert moe.choose_plan(sm90.grouped_min_pairs - 1) == sm90.pair
+    assert moe.choose_plan(sm90.grouped_min_pairs) == moe.choose_plan(4096 * 16) == sm90.grouped  # decode and prefill
     assert moe.grouped_blocks(1024, 896, 16) == 64 + 896 and moe.grouped_blocks(10, 896, 64) == 1 + 10
     fitted = moe._fit(moe.GemmPlan(64, 256), rows=48, kd=96)
     assert (fitted.block_n, fitted.block_k) == (64, 32)  # 96 = 3 x 32: K steps of 32
@@ -457,7 +457,7 @@ def test_aot_every_default_specialisation_fits(aot_reports):
     assert {"route", "combine", "align"} <= names
     for target in TARGETS:  # what the launchers pick at K3's shapes, batch 1 to prefill, is compiled
         for pairs in (16, 256, 1024, 4096 * 16):
-            plan = moe.choose_plan(pairs, 896, target)
+            plan = moe.choose_plan(pairs, target)
             for kind, g in (("w13", moe._fit(plan.w13, 384, 3584)), ("w2", moe._fit(plan.w2, 3584, 384))):
                 assert any(n.startswith(kind) and n.endswith(str(g)) and ("grouped" in n) == plan.grouped
                            for t, n in aot_reports if t == target)

@@ -425,7 +425,7 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     P = T * K
     if T == 0:
         return out
-    plan = plan or choose_plan(P, E, device_target(z.device))
+    plan = plan or choose_plan(P, device_target(z.device))
     _check_plan(plan)
     z, weights, ids = z.contiguous(), weights.float().contiguous(), ids.contiguous()
     dev = z.device
@@ -508,7 +508,7 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
         "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}, c), c, 4))
     plans = PLANS[target]
     seen = set()
-    for label, plan in (("pair", plans.pair), ("grouped", plans.grouped), ("grouped_large", plans.grouped_large)):
+    for label, plan in (("pair", plans.pair), ("grouped", plans.grouped)):
         for glu, g, n, kd in ((True, _fit(plan.w13, I, D), I, D), (False, _fit(plan.w2, D, I), D, I)):
             key = (glu, plan.grouped, plan.block_m, g)
             if key in seen:

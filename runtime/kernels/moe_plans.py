@@ -50,15 +50,12 @@ class MoePlan:
 
 @dataclass(frozen=True)
 class TargetPlans:
-    """A target's defaults: pair-major below ``grouped_min_pairs`` pairs (T * top_k);
-    grouped with ``grouped`` (few pairs per expert: decode batches) below
-    ``large_min_pairs_per_expert`` pairs per expert on average, ``grouped_large`` from it."""
+    """A target's defaults: pair-major below ``grouped_min_pairs`` pairs (T * top_k),
+    grouped from there (decode batches and prefill alike)."""
 
     pair: MoePlan
     grouped: MoePlan
-    grouped_large: MoePlan
     grouped_min_pairs: int
-    large_min_pairs_per_expert: int
 
 
 # H200 (132 SMs), from benchmarks/moe_probe.py and moe_layer.py (BENCHMARKS.md). A warp's
@@ -67,23 +64,21 @@ class TargetPlans:
 # tiles were slower at every batch measured. w13 in two K splits (batch 1: 16 experts x 24
 # row tiles x 2 programs): 76 us against 83 unsplit at batch 1, within 8% of unsplit up to
 # T = 16, and the unsplit pair-major w13 spills 2 registers under Triton 3.6. Pair-major beat
-# grouped up to T = 16 (816 against 835 us unsplit); grouped from T = 32.
+# grouped up to T = 16 (816 against 835 us unsplit); grouped from T = 32. The same grouped
+# plan serves prefill: 16-pair blocks beat 64-pair blocks of 64-row tiles (4 or 8 warps) at
+# 1,024 and 4,096 tokens (6.5 against 12.7 ms, 21.5 against 26.6 ms).
 _SM90 = TargetPlans(
     pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 4, split_k=2), GemmPlan(16, 128, 1, 3)),
     grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 4), GemmPlan(16, 128, 1, 3)),
-    grouped_large=MoePlan(True, 64, GemmPlan(64, 128, 8, 3), GemmPlan(64, 128, 8, 3)),
     grouped_min_pairs=512,  # T = 32 at top_k 16
-    large_min_pairs_per_expert=16,
 )
 # MI355X / MI300X (256 / 304 CUs, 64-wide waves): the H200's lesson (one warp per 16-row
-# tile, no duplicated decoding) with two stages (the AMD stream pipeliner's default); the
-# grouped prefill tiles 64 rows. From the AOT resources (no spills), not measured on hardware.
+# tile, no duplicated decoding) with two stages (the AMD stream pipeliner's default). From
+# the AOT resources (no spills), not measured on hardware.
 _CDNA = TargetPlans(
     pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
     grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
-    grouped_large=MoePlan(True, 64, GemmPlan(64, 128, 8, 2), GemmPlan(64, 128, 8, 2)),
     grouped_min_pairs=512,
-    large_min_pairs_per_expert=16,
 )
 PLANS: dict[str, TargetPlans] = {"sm_90": _SM90, "gfx950": _CDNA, "gfx942": _CDNA}
 
@@ -97,14 +92,10 @@ def device_target(device: torch.device) -> str:
     return "sm_90"
 
 
-def choose_plan(pairs: int, experts: int, target: str = "sm_90") -> MoePlan:
-    """The default plan for ``pairs`` (T * top_k) routed pairs over ``experts``."""
+def choose_plan(pairs: int, target: str = "sm_90") -> MoePlan:
+    """The default plan for ``pairs`` (T * top_k) routed pairs."""
     plans = PLANS[target]
-    if pairs < plans.grouped_min_pairs:
-        return plans.pair
-    if pairs >= plans.large_min_pairs_per_expert * min(experts, pairs):
-        return plans.grouped_large
-    return plans.grouped
+    return plans.pair if pairs < plans.grouped_min_pairs else plans.grouped
 
 
 def _fit(g: GemmPlan, rows: int, kd: int) -> GemmPlan:
