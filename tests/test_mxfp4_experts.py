@@ -137,3 +137,35 @@ def test_a_nan_scale_byte_is_refused_at_load(model_dirs, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"experts\.6\.w2\.weight_scale.*NaN scale bytes"):
         runtime.load(tmp_path / "a", rank=0, world_size=1, options=OPTIONS)
+
+
+def _generate_on_rank(rank: int, world: int, artifact) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    rt = runtime.load(artifact, rank=rank, world_size=world, options=OPTIONS)
+    held = {n: t for n, t in rt.weights.items() if "layers.1.mlp.experts.w2" in n}
+    return rt.generate(PROMPTS, 12), held
+
+
+@pytest.mark.slow
+def test_tp2_ranks_hold_their_slice_and_greedy_tokens_match_the_pass_off(model_dirs, tmp_path):
+    """TP2 on gloo: the same tokens with the pass on and off, and each rank holds its half
+    of w2's input dim as the checkpoint's bytes: codes and scale groups, nothing else."""
+    from safetensors import safe_open
+
+    from k3compile.distributed import run_ranks
+
+    model_dir = model_dirs("tiny", "mxfp4")
+    runs = {}
+    for label, disable in (("on", ()), ("off", ("mxfp4_experts",))):
+        optimize(model_dir, tmp_path / label, CompileOptions(tp=2, dtype="float32", disable=disable))
+        runs[label] = run_ranks(_generate_on_rank, 2, tmp_path / label)
+    assert runs["on"][0][0] == runs["on"][1][0] == runs["off"][0][0]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    I = get_preset("tiny").moe_intermediate_size
+    for rank, (_, held) in enumerate(runs["on"]):
+        for suffix, per_byte in (("packed", 2), ("scale", 32)):
+            name = f"language_model.model.layers.1.block_sparse_moe.experts.4.w2.weight_{suffix}"
+            with safe_open(str(model_dir / index[name]), "pt") as f:
+                full = f.get_tensor(name)
+            half = I // 2 // per_byte
+            assert torch.equal(held[f"k3.model.layers.1.mlp.experts.w2_{suffix}"][4], full[:, rank * half:(rank + 1) * half])
