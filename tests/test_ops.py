@@ -107,6 +107,17 @@ def test_mla_cache_write_in_place():
     assert flat[[1, 3, 4]].abs().sum() == 0
 
 
+def test_router_logits_are_the_fp32_product_whatever_the_dtypes():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 64, generator=gen), torch.randn(12, 64, generator=gen)
+    for xd, wd in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)):
+        got = k3.router_logits(x.to(xd), w.to(wd))
+        want = torch.nn.functional.linear(x.to(xd).double(), w.to(wd).double())
+        assert got.dtype == torch.float32 and got.shape == (2, 3, 12)
+        # bf16 x bf16 products are exact in fp32: only the fp32 summation differs from fp64
+        assert (got.double() - want).abs().max() <= 64 * 2.0**-24 * (x.abs() @ w.abs().T).max()
+
+
 def test_sigmoid_topk_route_bias_selects_only():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     bias = torch.tensor([0.0, 0.0, 5.0, 0.0])  # pulls expert 2 into the top-2
@@ -203,6 +214,7 @@ def test_rms_norm():
         ("rms_norm", lambda: (torch.randn(3, 8), torch.rand(8), 1e-5)),
         ("situ_and_mul", lambda: (torch.randn(3, 8), torch.randn(3, 8), 4.0, 25.0)),
         ("attn_res_mix", lambda: (torch.randn(3, 8), [torch.randn(3, 8)], torch.randn(1, 8), torch.rand(8), 1e-5)),
+        ("router_logits", lambda: (torch.randn(3, 8).bfloat16(), torch.randn(6, 8).bfloat16())),
         ("sigmoid_topk_route", lambda: (torch.randn(3, 6), torch.randn(6), 2, True, 1.0)),
         ("moe_experts", lambda: (torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 3]]),
                                  torch.randn(4, 6, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 6), 4.0, 25.0)),

@@ -15,7 +15,6 @@ the dedup pass removes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3compile.config import K3Config
@@ -106,7 +105,7 @@ class LatentMoE(nn.Module):
         self.shared_experts = SiTUMLP(cfg, hidden, cfg.shared_intermediate_size, f"{prefix}.shared_experts", plan, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = torch.ops.k3.router_logits(x, self.gate.weight)
         weights, ids = torch.ops.k3.sigmoid_topk_route(
             logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling
         )

@@ -1,4 +1,10 @@
-"""Latent-MoE ops: sigmoid top-k routing and the routed-expert computation.
+"""Latent-MoE ops: the router's logits, sigmoid top-k routing and the routed-expert computation.
+
+``k3::router_logits``: x W_gate^T in fp32 whatever the dtypes of x and W_gate (K3 routes
+on fp32 logits). One op rather than ``linear(x.float(), W.float())`` so that a kernel may
+read W as stored: a product of two bf16 (or fp16) values is exact in fp32, so bf16
+operands with fp32 accumulation give the same logits up to summation order, without the
+fp32 copy of W (twice its bytes, every step) that the cast makes.
 
 ``k3::sigmoid_topk_route``: s = sigmoid(router logits); experts are *selected* by the
 top-k of s + e_score_correction_bias (the bias balances load and only affects
@@ -27,6 +33,16 @@ from torch import Tensor
 
 from k3compile.checkpoint.mxfp4 import unpack_mxfp4
 from k3compile.ops.activations import situ_glu
+
+
+@torch.library.custom_op("k3::router_logits", mutates_args=())
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
+@router_logits.register_fake
+def _(x: Tensor, weight: Tensor):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("k3::sigmoid_topk_route", mutates_args=())
@@ -128,8 +144,9 @@ def _(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_s
     return torch.empty_like(z)
 
 
-# Placement (k3compile.placement). Routing works on whole rows of expert scores (4 FLOPs
-# per logit: sigmoid, bias add, top-k, weights). The experts are split on their
+# Placement (k3compile.placement). The router's logits contract whole rows of x with a
+# replicated gate (2 * E FLOPs per element of x); routing works on whole rows of expert
+# scores (4 FLOPs per logit: sigmoid, bias add, top-k, weights). The experts are split on their
 # intermediate dim (w1/w3 [E, I, D] on I, w2 [E, D, I] on I, and the packed codes and
 # scales of each along the same dim): each rank's SiTU-MLPs give a partial sum of the down
 # projection, hence Partial.
@@ -153,6 +170,7 @@ def _experts_cost(call: CostCall, w1: str, weight_args: tuple[str, ...]) -> Cost
 
 _PACKED = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
 register_op_rules({
+    router_logits: rowwise("x", cost=lambda call: Cost(2 * call.numel("x") * call.size("weight", 0), call.io_bytes())),
     sigmoid_topk_route: rowwise("logits", flops_per_element=4),
     moe_experts: split({"w1": 1, "w3": 1, "w2": 2}, out=Partial(), what="expert intermediate",
                        cost=lambda call: _experts_cost(call, "w1", ("w1", "w3", "w2"))),
