@@ -2,11 +2,14 @@
 
     python benchmarks/moe_probe.py time --batches 1 16 64 256 --plans PLAN ...
     python benchmarks/moe_probe.py run --T 1 --plan PLAN     # a few eager calls, for ncu
+    python benchmarks/moe_probe.py kernels --batches 1 16 64 --plans PLAN ...   # time per kernel
 
 PLAN is ``pair|grouped:BLOCK_M:w13 n,k,warps,stages:w2 n,k,warps,stages`` (e.g.
 ``pair:16:16,128,1,4:16,128,1,3``). ``time`` prints each plan's time per call (CUDA graph
 of ``--calls`` calls with their own routing, as benchmarks/moe_layer.py) over the floor of
-the distinct experts' bytes, and the routing kernel's time at several warp counts.
+the distinct experts' bytes, and the routing kernel's time at several warp counts;
+``kernels`` the same graphs' device time per kernel and call (``torch.profiler`` over
+replays).
 """
 
 from __future__ import annotations
@@ -39,9 +42,28 @@ def inputs(T: int, calls: int, gen: torch.Generator) -> list[tuple[torch.Tensor,
     return out
 
 
+def kernel_times(fns: list, calls: int, replays: int = 10) -> list[tuple[str, float]]:
+    """(kernel, device microseconds) for each launch of one call in launch order, averaged
+    over the calls of ``replays`` replays of one graph (``torch.profiler``)."""
+    graph_time(fns, 1)  # compiles the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    per_call = len(events) // (replays * calls)
+    return [(events[i].name[:32], round(sum(ev.device_time for ev in events[i::per_call]) / (replays * calls), 1))
+            for i in range(per_call)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["time", "run"])
+    ap.add_argument("mode", choices=["time", "run", "kernels"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--T", type=int, default=1)
     ap.add_argument("--plans", nargs="+", default=[])
@@ -57,6 +79,14 @@ def main() -> None:
         for z, wt, ids in inputs(args.T, 6, gen):
             moe.moe_experts_mxfp4(z, wt, ids, *weights, 4.0, 25.0, plan=plan)
         torch.cuda.synchronize()
+        return
+    if args.mode == "kernels":
+        for T in args.batches:
+            sets = inputs(T, args.calls, gen)
+            for text in args.plans:
+                plan = parse_plan(text)
+                fns = [lambda s=s: moe.moe_experts_mxfp4(*s, *weights, 4.0, 25.0, plan=plan) for s in sets]
+                print(json.dumps({"T": T, "plan": text, "kernels_us": kernel_times(fns, args.calls)}), flush=True)
         return
     bandwidth = copy_bandwidth(2 << 30, 10)
     rows = []

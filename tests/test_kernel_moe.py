@@ -198,6 +198,7 @@ def _gemm(n: int, k: int) -> moe.GemmPlan:
 # cost is per program), "tiled" ones split rows and K steps (tile indexing).
 PAIR_WIDE = moe.MoePlan(False, 16, _gemm(64, 128), _gemm(256, 128))
 PAIR_TILED = moe.MoePlan(False, 16, _gemm(32, 128), _gemm(128, 32))
+PAIR_FMA = moe.MoePlan(False, 1, _gemm(32, 128), _gemm(64, 64))  # vector units, no matrix unit
 GROUPED_16 = moe.MoePlan(True, 16, _gemm(32, 128), _gemm(128, 64))
 GROUPED_64 = moe.MoePlan(True, 64, _gemm(64, 128), _gemm(256, 128))
 # (D, I): D = 256: w13 reads scales as words (2 K steps of 128), w2 as bytes (I = 64);
@@ -246,6 +247,8 @@ def _run_case(T, K, shape, plan, pattern, dtype=torch.bfloat16, E=16, seed=0, ch
     (2, 4, SHAPE_B, PAIR_TILED, "repeats"),
     (7, 4, SHAPE_A, PAIR_WIDE, "same_set"),
     (16, 2, SHAPE_B, PAIR_WIDE, "random"),
+    (1, 4, SHAPE_A, PAIR_FMA, "random"),
+    (3, 4, SHAPE_B, PAIR_FMA, "repeats"),
 ])
 def test_pair_major_matches_both_references(poisoned, T, K, shape, plan, pattern):
     _run_case(T, K, shape, plan, pattern, seed=T)
@@ -265,10 +268,11 @@ def test_grouped_matches_both_references(poisoned, T, shape, plan, pattern):
 # w13 in K splits: D = 256 is 4 steps of 64, so 3 splits take 2, 2 and none (an empty split
 # still arrives at the counter).
 PAIR_SPLIT = moe.MoePlan(False, 16, moe.GemmPlan(32, 64, 4, 2, split_k=3), _gemm(128, 32))
+PAIR_FMA_SPLIT = moe.MoePlan(False, 1, moe.GemmPlan(32, 64, 4, 1, split_k=3), _gemm(64, 32))
 GROUPED_SPLIT = moe.MoePlan(True, 16, moe.GemmPlan(32, 64, 4, 2, split_k=2), _gemm(128, 64))
 
 
-@pytest.mark.parametrize("plan", [PAIR_SPLIT, GROUPED_SPLIT], ids=["pair", "grouped"])
+@pytest.mark.parametrize("plan", [PAIR_SPLIT, PAIR_FMA_SPLIT, GROUPED_SPLIT], ids=["pair", "pair_fma", "grouped"])
 def test_split_k_w13_matches_and_leaves_its_counters_at_zero(poisoned, plan):
     _run_case(5, 4, SHAPE_A, plan, "repeats", seed=31)
     _run_case(3, 4, SHAPE_A, plan, "random", seed=32, check_op=False)  # the same counters again
@@ -282,8 +286,10 @@ def test_large_batches(poisoned):
     _run_case(64, 1, SHAPE_B, PAIR_WIDE, "random", seed=8, check_op=False)
 
 
-@pytest.mark.parametrize(("dtype", "plan"), [(torch.float32, PAIR_WIDE), (torch.float16, GROUPED_16)])
+@pytest.mark.parametrize(("dtype", "plan"), [(torch.float32, PAIR_WIDE), (torch.float16, GROUPED_16),
+                                            (torch.float32, PAIR_FMA), (torch.float16, PAIR_FMA)])
 def test_fp32_and_fp16_inputs_multiply_in_two_bf16_parts(poisoned, dtype, plan):
+    """(The vector path multiplies them as they are, in fp32: within the same bounds.)"""
     _run_case(3, 4, SHAPE_A, plan, "random", dtype=dtype, seed=11)
 
 
@@ -308,7 +314,25 @@ def test_scales_off_a_word_boundary_take_the_byte_path(poisoned):
     assert _within(got, mirror[0], _mirror_tol(mirror, z.dtype)).all()
 
 
-@pytest.mark.parametrize("plan", [PAIR_WIDE, GROUPED_16], ids=["pair", "grouped"])
+def test_codes_off_a_word_boundary_take_the_matrix_unit(poisoned):
+    """The vector path reads codes as int32 words: a view of w2's codes one byte into a
+    buffer runs the same tiles on the matrix unit (block_m 16), still right."""
+    gen = torch.Generator().manual_seed(62)
+    D, I = SHAPE_A
+    w = [t.to(DEVICE) for t in _weights(gen, 16, D, I)]
+    shifted = torch.empty(w[4].numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(w[4].shape)
+    shifted.copy_(w[4])
+    assert shifted.data_ptr() % 4 and shifted.is_contiguous()
+    z = torch.randn(2, D, generator=gen).bfloat16()
+    ids, weights = _ids("random", 2, 16, 4, gen), torch.rand(2, 4, generator=gen)
+    args = [t.to(DEVICE) for t in (z, weights, ids)]
+    got = moe.moe_experts_mxfp4(*args, *w[:4], shifted, w[5], BETA, LINEAR_BETA, plan=PAIR_FMA).cpu()
+    same_tiles_on_the_matrix_unit = moe.MoePlan(False, 16, PAIR_FMA.w13, PAIR_FMA.w2)
+    assert torch.equal(got, moe.moe_experts_mxfp4(*args, *w, BETA, LINEAR_BETA,
+                                                  plan=same_tiles_on_the_matrix_unit).cpu())
+
+
+@pytest.mark.parametrize("plan", [PAIR_WIDE, PAIR_FMA, GROUPED_16], ids=["pair", "pair_fma", "grouped"])
 def test_padded_rows_leave_real_rows_unchanged(poisoned, plan):
     """A CUDA-graph bucket pads the batch with rows that route anywhere (here: all to the
     real rows' busiest expert) and whose outputs are ignored."""
@@ -399,7 +423,7 @@ def test_plans_and_dispatch():
     fitted = moe._fit(moe.GemmPlan(64, 256), rows=48, kd=96)
     assert (fitted.block_n, fitted.block_k) == (64, 32)  # 96 = 3 x 32: K steps of 32
     assert moe._fit(moe.GemmPlan(128, 128), rows=384, kd=3584) == moe.GemmPlan(128, 128)
-    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+    with pytest.raises(ValueError, match="pair-major block_m must be 1"):
         moe._check_plan(moe.MoePlan(False, 32, moe.GemmPlan(16, 128), moe.GemmPlan(16, 128)))
     with pytest.raises(ValueError, match="powers of two"):
         moe._check_plan(moe.MoePlan(True, 16, moe.GemmPlan(24, 128), moe.GemmPlan(16, 128)))
@@ -441,6 +465,10 @@ def aot_reports() -> dict[tuple[str, str], aot.KernelResources]:
     """Every specialisation of moe.aot_requests for every target. Under the interpreter
     aot compiles in a subprocess: two batches in two subprocesses at once (CI has 2 cores)."""
     jobs = {(t, launch.name): launch.request(t) for t in TARGETS for launch in moe.aot_requests(t)}
+    for t in ("gfx950", "gfx942"):  # one source: the H200's pair-major plan (vector units) compiles there too
+        plans = moe.PLANS["sm_90"]
+        jobs.update({(t, "sm_90 " + launch.name): launch.request(t) for launch in moe.aot_requests(t, plans=plans)
+                     if "_pair_" in launch.name})
     keys = list(jobs)
     if aot._language_interpreted():
         halves = [keys[0::2], keys[1::2]]

@@ -5,10 +5,17 @@ Semantics are those of ``torch.ops.k3.sigmoid_topk_route`` and
 numerical truth). Expert weights stay as the checkpoint stores them
 (k3compile/checkpoint/mxfp4.py): E2M1 codes two per byte (low nibble = even input
 column) and one E8M0 scale byte per 32 input columns, stacked over experts; they are
-decoded in registers by ``tl.dot_scaled(w, w_scale, "e2m1", x^T, None, "bf16")`` with the
-WEIGHT ROWS ON THE M SIDE of the matrix unit and the tokens (pairs) on the N side, padded
-to 16 under masks (sm_90: an e2m1 -> bf16 upcast in registers feeding the MMA; gfx950:
-``v_cvt_scalef32_pk_bf16_fp4`` + bf16 MFMA; gfx942: a software upcast).
+decoded in registers, on one of two units:
+
+- the matrix unit: ``tl.dot_scaled(w, w_scale, "e2m1", x^T, None, "bf16")`` with the
+  WEIGHT ROWS ON THE M SIDE and the tokens (pairs) on the N side, padded to 16 under masks
+  (sm_90: an e2m1 -> bf16 upcast in registers feeding the MMA; gfx950:
+  ``v_cvt_scalef32_pk_bf16_fp4`` + bf16 MFMA; gfx942: a software upcast);
+- the vector units (``_mxfp4_fma_step``, one pair per program): codes read as int32 words,
+  two codes per register decoded to fp16 bit patterns by shifts and masks, converted to
+  fp32 and multiplied into fp32 sums per 32-value group, which the group's scale then
+  multiplies. No shared memory: on the H200 it ran 2.7x (batch 1) to 2.1x (T = 64) faster
+  than the matrix unit (docs/kernels.md).
 
 Kernels (every one runs inside CUDA graphs: no host synchronisation, grids sized from
 shapes only, for the worst case, with early exit):
@@ -22,8 +29,9 @@ shapes only, for the worst case, with early exit):
   W3[e] z_t)`` stored in z's dtype; else ``y[p] = W2[e] h[p]`` in fp32 (p = t * top_k + k
   is a (token, slot) pair, e = ids[p]). Grid (pair rows, weight-row tiles): a program reads
   one [BLOCK_N, KD] slab of its expert's weights once and multiplies every pair row of its
-  tile with it. PAIR-MAJOR (decode): a program is one pair (one real column of 16); no
-  sorting, so no extra launch. GROUPED (``GROUPED`` constexpr): a program is BLOCK_M pairs
+  tile with it. PAIR-MAJOR (decode): a program is one pair, on the vector units
+  (``BLOCK_M`` 1) or as one real column of 16 on the matrix unit; no sorting, so no extra
+  launch. GROUPED (``GROUPED`` constexpr): a program is BLOCK_M pairs
   of ONE expert from the align kernel's table, so an expert's slab is read once per
   BLOCK_M pairs; unused blocks of the worst-case grid exit at once. Pair rows are the
   fastest grid axis, so the programs of one weight slab run together (grouped: the blocks
@@ -53,7 +61,9 @@ same three). The path and tiles come from a per-target :class:`MoePlan` table
 Numerics: the weights enter the matrix unit as exact bf16 values (E2M1 x 2^k), bf16 z and
 h as they are, fp16 / fp32 z and h as two bf16 parts (the value rounded, then the
 remainder: about 16 significant bits, so fp32 artifacts stay close to their fp32
-reference); products accumulate in fp32. The SiTU-GLU runs in fp32 on the fp32
+reference); products accumulate in fp32. The vector units multiply exact fp32 weights
+(2^-14 x E2M1, the 2^14 and the scale applied to each group's sum: powers of two) by x in
+fp32, accumulating in fp32. The SiTU-GLU runs in fp32 on the fp32
 accumulators (the reference rounds W1 z and W3 z to z's dtype first), h is rounded to z's
 dtype, y = W2 h stays fp32, the k sum is fp32, the output is rounded once to z's dtype.
 Under TRITON_INTERPRET (CPU tests) the kernels round to bf16 by hand (see ``_combine_kernel``): the
@@ -69,6 +79,8 @@ would need a host sync), top_k <= E <= MAX_EXPERTS.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -174,6 +186,34 @@ def _mxfp4_step(acc, w_ptrs, s_ptrs, rows_ok, x, x_lo, s_other, shifts, BLOCK_N:
 
 
 @triton.jit
+def _mxfp4_fma_step(acc, q, s, x_ptrs, shifts, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCALE_WORDS: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_K / 32] += (W codes . x) * scale per 32-value group, on the vector
+    units: codes q as int32 words of 8 values [BLOCK_N, BLOCK_K / 8], scales s as bytes or
+    words; x_ptrs [1, BLOCK_K / 8]: the first x value of each word. An E2M1 code's sign, exponent and mantissa bits placed
+    at the low end of fp16's fields are an fp16 of 2^-14 times the E2M1 value (0.5 becomes
+    an fp16 subnormal, exact), so a code decodes in a few integer operations and one
+    fp16 -> fp32 conversion; 2^14 and the group's E8M0 scale multiply the group's sum."""
+    if SCALE_WORDS:
+        s = tl.reshape((s[:, :, None] >> shifts) & 0xFF, [BLOCK_N, BLOCK_K // 32])
+    word = tl.full([BLOCK_N, BLOCK_K // 8], 0.0, tl.float32)
+    for i in tl.static_range(4):  # codes i and i + 4 of each word at once, in its two 16-bit halves
+        if i < 3:
+            mag = q << (9 - 4 * i)
+        else:
+            mag = q >> 3
+        bits = (mag & 0x0E000E00) | ((q << (12 - 4 * i)) & -2147450880)  # -2147450880 = 0x80008000
+        lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        word += lo * tl.load(x_ptrs + i).to(tl.float32)  # two statements: two fused multiply-adds
+        word += hi * tl.load(x_ptrs + i + 4).to(tl.float32)
+    group = tl.sum(tl.reshape(word, [BLOCK_N, BLOCK_K // 32, 4]), axis=2)
+    e = s.to(tl.int32)
+    scale = tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))  # 2^(e - 127)
+    return acc + group * 16384.0 * scale
+
+
+@triton.jit
 def _expert_gemm_kernel(
     x_ptr,  # GLU: z [T, KD]; else h [P, KD]
     ids_ptr,  # [P] expert of each pair (pair-major)
@@ -213,7 +253,15 @@ def _expert_gemm_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     w_rows = e.to(tl.int64) * N + rows  # [BLOCK_N] rows of the stacked [E * N, ...] weight
-    w_off = w_rows[:, None] * (KD // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+    FMA: tl.constexpr = BLOCK_M == 1  # one pair, no matrix unit: products on the vector units
+    if FMA:  # codes as int32 words of 8 values
+        w_off = w_rows[:, None] * (KD // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+        wa_ptr = wa_ptr.to(tl.pointer_type(tl.int32))
+        wb_ptr = wb_ptr.to(tl.pointer_type(tl.int32))
+        w_step: tl.constexpr = BLOCK_K // 8
+    else:
+        w_off = w_rows[:, None] * (KD // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+        w_step: tl.constexpr = BLOCK_K // 2
     # A row's scales of one step are only BLOCK_K / 32 bytes: as bytes, Triton loads them one
     # by one and synchronously (its software pipeline takes loads of 4+ bytes), so every
     # step would wait for them. SCALE_WORDS (KD and BLOCK_K multiples of 128): int32 words
@@ -229,10 +277,15 @@ def _expert_gemm_kernel(
         s_step: tl.constexpr = BLOCK_K // 32
         s_other: tl.constexpr = 127
     shifts = (tl.arange(0, 4) * 8)[None, None, :]
-    TWO_PARTS: tl.constexpr = x_ptr.dtype.element_ty != tl.bfloat16
+    TWO_PARTS: tl.constexpr = x_ptr.dtype.element_ty != tl.bfloat16 and not FMA
     x_off = xrow.to(tl.int64)[None, :] * KD + tl.arange(0, BLOCK_K)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
-    acc_a = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin (cheap interpreted)
-    acc_b = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
+    if FMA:  # the first x value of each code word
+        x_off = xrow.to(tl.int64)[:, None] * KD + tl.arange(0, BLOCK_K // 8)[None, :] * 8
+        acc_a = tl.full([BLOCK_N, BLOCK_K // 32], 0.0, tl.float32)  # per group of 32 until the end
+        acc_b = tl.full([BLOCK_N, BLOCK_K // 32], 0.0, tl.float32)
+    else:
+        acc_a = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin (cheap interpreted)
+        acc_b = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
     steps = KD // BLOCK_K
     k_lo = 0
     k_hi = steps
@@ -242,27 +295,57 @@ def _expert_gemm_kernel(
         k_hi = tl.minimum(k_lo + per_split, steps)
     if PREFETCH_X:
         x_next = tl.load(x_ptr + x_off + k_lo * BLOCK_K, mask=ok[None, :], other=0.0)
-    for kb in range(k_lo, k_hi):
-        if PREFETCH_X:  # the next step's x requested now, by hand (see the launcher's _prefetch_x)
-            x = x_next
-            x_next = tl.load(x_ptr + x_off + tl.minimum(kb + 1, k_hi - 1) * BLOCK_K, mask=ok[None, :], other=0.0)
-        else:
-            x = tl.load(x_ptr + x_off + kb * BLOCK_K, mask=ok[None, :], other=0.0)
-        x_lo = x  # read only with TWO_PARTS
-        if TWO_PARTS:  # fp16 / fp32 x: its bf16 rounding and the remainder, ~16 significant bits
-            xf = x.to(tl.float32)
-            if ROUND_BY_HAND:  # see _combine_kernel
-                xb = xf.to(tl.int32, bitcast=True)
-                hi = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            else:
-                hi = xf.to(tl.bfloat16).to(tl.float32)
-            x_lo = (xf - hi).to(tl.bfloat16)
-            x = hi.to(tl.bfloat16)
-        acc_a = _mxfp4_step(acc_a, wa_ptr + w_off + kb * (BLOCK_K // 2), sa_ptr + s_off + kb * s_step, rows_ok,
-                            x, x_lo, s_other, shifts, BLOCK_N, BLOCK_K, SCALE_WORDS, TWO_PARTS)
+    if FMA:  # the vector path's loads are not software-pipelined: one step ahead, by hand
+        k0 = tl.minimum(k_lo, steps - 1)  # (an empty K split reads a step it does not use)
+        qa_next = tl.load(wa_ptr + w_off + k0 * w_step, mask=rows_ok[:, None], other=0)
+        sa_next = tl.load(sa_ptr + s_off + k0 * s_step, mask=rows_ok[:, None], other=s_other)
+        qb_next = qa_next
+        sb_next = sa_next
         if GLU:
-            acc_b = _mxfp4_step(acc_b, wb_ptr + w_off + kb * (BLOCK_K // 2), sb_ptr + s_off + kb * s_step,
-                                rows_ok, x, x_lo, s_other, shifts, BLOCK_N, BLOCK_K, SCALE_WORDS, TWO_PARTS)
+            qb_next = tl.load(wb_ptr + w_off + k0 * w_step, mask=rows_ok[:, None], other=0)
+            sb_next = tl.load(sb_ptr + s_off + k0 * s_step, mask=rows_ok[:, None], other=s_other)
+    for kb in range(k_lo, k_hi):
+        if FMA:
+            qa = qa_next
+            sa = sa_next
+            qb = qb_next
+            sb = sb_next
+            kn = tl.minimum(kb + 1, k_hi - 1)
+            qa_next = tl.load(wa_ptr + w_off + kn * w_step, mask=rows_ok[:, None], other=0)
+            sa_next = tl.load(sa_ptr + s_off + kn * s_step, mask=rows_ok[:, None], other=s_other)
+            if GLU:
+                qb_next = tl.load(wb_ptr + w_off + kn * w_step, mask=rows_ok[:, None], other=0)
+                sb_next = tl.load(sb_ptr + s_off + kn * s_step, mask=rows_ok[:, None], other=s_other)
+            acc_a = _mxfp4_fma_step(acc_a, qa, sa, x_ptr + x_off + kb * BLOCK_K, shifts, BLOCK_N, BLOCK_K,
+                                    SCALE_WORDS)
+            if GLU:
+                acc_b = _mxfp4_fma_step(acc_b, qb, sb, x_ptr + x_off + kb * BLOCK_K, shifts, BLOCK_N, BLOCK_K,
+                                        SCALE_WORDS)
+        else:
+            if PREFETCH_X:  # the next step's x requested now, by hand (see the launcher's _prefetch_x)
+                x = x_next
+                x_next = tl.load(x_ptr + x_off + tl.minimum(kb + 1, k_hi - 1) * BLOCK_K, mask=ok[None, :],
+                                 other=0.0)
+            else:
+                x = tl.load(x_ptr + x_off + kb * BLOCK_K, mask=ok[None, :], other=0.0)
+            x_lo = x  # read only with TWO_PARTS
+            if TWO_PARTS:  # fp16 / fp32 x: its bf16 rounding and the remainder, ~16 significant bits
+                xf = x.to(tl.float32)
+                if ROUND_BY_HAND:  # see _combine_kernel
+                    xb = xf.to(tl.int32, bitcast=True)
+                    hi = ((xb + 0x7FFF + ((xb >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                else:
+                    hi = xf.to(tl.bfloat16).to(tl.float32)
+                x_lo = (xf - hi).to(tl.bfloat16)
+                x = hi.to(tl.bfloat16)
+            acc_a = _mxfp4_step(acc_a, wa_ptr + w_off + kb * w_step, sa_ptr + s_off + kb * s_step, rows_ok,
+                                x, x_lo, s_other, shifts, BLOCK_N, BLOCK_K, SCALE_WORDS, TWO_PARTS)
+            if GLU:
+                acc_b = _mxfp4_step(acc_b, wb_ptr + w_off + kb * w_step, sb_ptr + s_off + kb * s_step,
+                                    rows_ok, x, x_lo, s_other, shifts, BLOCK_N, BLOCK_K, SCALE_WORDS, TWO_PARTS)
+    if FMA:
+        acc_a = tl.reshape(tl.sum(acc_a, axis=1), [BLOCK_N, 1])
+        acc_b = tl.reshape(tl.sum(acc_b, axis=1), [BLOCK_N, 1])
     out_off = pairs.to(tl.int64)[None, :] * N + rows[:, None]
     out_mask = ok[None, :] & rows_ok[:, None]
     if SPLIT_K > 1:
@@ -427,6 +510,8 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
         return out
     plan = plan or choose_plan(P, device_target(z.device))
     _check_plan(plan)
+    if plan.block_m == 1 and any(t.data_ptr() % 4 for t in (w1_packed, w3_packed, w2_packed)):
+        plan = replace(plan, block_m=16)  # codes read as int32 words need word-aligned tensors
     z, weights, ids = z.contiguous(), weights.float().contiguous(), ids.contiguous()
     dev = z.device
     h = _empty((P, I), z.dtype, dev)
@@ -465,11 +550,23 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     return out
 
 
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """``k3::router_logits``: with bf16 / fp16 operands one GEMM that reads the weight as
+    stored and writes fp32 (``torch.mm(..., out_dtype=float32)``, cuBLAS on CUDA), else the
+    reference's fp32 product."""
+    if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.version.hip:
+        flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return flat.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
 def register_cuda_kernels() -> None:
-    """Use these kernels for ``k3::sigmoid_topk_route`` and ``k3::moe_experts_mxfp4`` on
-    CUDA/ROCm tensors (registering again replaces the same functions)."""
+    """Use these kernels for ``k3::router_logits``, ``k3::sigmoid_topk_route`` and
+    ``k3::moe_experts_mxfp4`` on CUDA/ROCm tensors (registering again replaces the same
+    functions)."""
     from k3compile.ops import moe
 
+    moe.router_logits.register_kernel("cuda")(router_logits)
     moe.sigmoid_topk_route.register_kernel("cuda")(sigmoid_topk_route)
 
     def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
@@ -488,11 +585,11 @@ def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, 
 
 
 def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: int = 384,
-                 dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
-    """Every specialisation the launchers pick with ``target``'s default plans at one TP8
-    rank's K3 shapes: routing, combine, and per distinct plan the align kernel (grouped)
-    and the w13 / w2 products. Integer arguments that are multiples of 16 there are marked
-    so, as Triton's JIT specialises them at launch."""
+                 dtype: torch.dtype = torch.bfloat16, plans: TargetPlans | None = None) -> list[KernelLaunch]:
+    """Every specialisation the launchers pick with ``plans`` (default: ``target``'s) at
+    one TP8 rank's K3 shapes: routing, combine, and per distinct plan the align kernel
+    (grouped) and the w13 / w2 products. Integer arguments that are multiples of 16 there
+    are marked so, as Triton's JIT specialises them at launch."""
     t = _Z_DTYPES[dtype]
     launches = []
     c = {"TOP_K": top_k, "K_POW2": triton.next_power_of_2(top_k), "BLOCK_E": triton.next_power_of_2(E),
@@ -506,7 +603,7 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
     c = {"E_POW2": triton.next_power_of_2(E), "CHUNK": ALIGN_CHUNK}
     launches.append(KernelLaunch("align", _align_kernel, _sig(_align_kernel, {
         "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}, c), c, 4))
-    plans = PLANS[target]
+    plans = plans or PLANS[target]
     seen = set()
     for label, plan in (("pair", plans.pair), ("grouped", plans.grouped)):
         for glu, g, n, kd in ((True, _fit(plan.w13, I, D), I, D), (False, _fit(plan.w2, D, I), D, I)):

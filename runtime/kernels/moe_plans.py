@@ -36,8 +36,9 @@ class GemmPlan:
 @dataclass(frozen=True)
 class MoePlan:
     """One launch plan of the experts: pair-major (``grouped`` False: one pair per
-    program, block_m 16 with one real column) or grouped (block_m pairs of one expert per
-    program), and the tiles of the w13 and w2 products."""
+    program; block_m 16: the matrix unit with one real column of 16, block_m 1: products
+    on the vector units) or grouped (block_m pairs of one expert per program, matrix unit),
+    and the tiles of the w13 and w2 products."""
 
     grouped: bool
     block_m: int
@@ -58,23 +59,24 @@ class TargetPlans:
     grouped_min_pairs: int
 
 
-# H200 (132 SMs), from benchmarks/moe_probe.py and moe_layer.py (BENCHMARKS.md). A warp's
-# MMA tile is 16 weight rows: a 16-row tile with 4 warps made every warp decode the same
-# tile (4x the instructions), so 16-row tiles run one warp per program; 64-row (wgmma)
-# tiles were slower at every batch measured. w13 in two K splits (batch 1: 16 experts x 24
-# row tiles x 2 programs): 76 us against 83 unsplit at batch 1, within 8% of unsplit up to
-# T = 16, and the unsplit pair-major w13 spills 2 registers under Triton 3.6. Pair-major beat
-# grouped up to T = 16 (816 against 835 us unsplit); grouped from T = 32. The same grouped
-# plan serves prefill: 16-pair blocks beat 64-pair blocks of 64-row tiles (4 or 8 warps) at
-# 1,024 and 4,096 tokens (6.5 against 12.7 ms, 21.5 against 26.6 ms).
+# H200 (132 SMs), from benchmarks/moe_probe.py and moe_layer.py (BENCHMARKS.md). Pair-major
+# on the vector units (block_m 1): 64-row tiles of 4 warps, K steps of 128, w13 in four K
+# splits (batch 1: 16 experts x 6 row tiles x 4 = 384 programs): 28 us against 76 for the
+# best matrix-unit plan at batch 1, 286 against 842 at 16, 2.1 against 3.0 ms at 128; the
+# grouped matrix-unit plan wins from T = 256 (3.5 against 4.1 ms), so grouped from 3,072
+# pairs (T = 192). Tile variants of the vector plan were within 5% of each other at every
+# batch. On the grouped path a warp's MMA tile is 16 weight rows (with more warps every
+# warp decoded the same tile), one warp per 16-row tile; 64-row (wgmma) tiles were slower,
+# prefill included (16-pair blocks: 6.5 against 12.7 ms at 1,024 tokens).
 _SM90 = TargetPlans(
-    pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 4, split_k=2), GemmPlan(16, 128, 1, 3)),
+    pair=MoePlan(False, 1, GemmPlan(64, 128, 4, 1, split_k=4), GemmPlan(64, 128, 4, 1)),
     grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 4), GemmPlan(16, 128, 1, 3)),
-    grouped_min_pairs=512,  # T = 32 at top_k 16
+    grouped_min_pairs=3072,  # T = 192 at top_k 16
 )
-# MI355X / MI300X (256 / 304 CUs, 64-wide waves): the H200's lesson (one warp per 16-row
-# tile, no duplicated decoding) with two stages (the AMD stream pipeliner's default). From
-# the AOT resources (no spills), not measured on hardware.
+# MI355X / MI300X (256 / 304 CUs, 64-wide waves): the matrix unit on both paths (gfx950
+# decodes E2M1 in hardware there, where the H200 decodes it in software), one warp per
+# 16-row tile, two stages (the AMD stream pipeliner's default). From the AOT resources (no
+# spills), not measured on hardware; the vector-unit plan compiles for both (CI).
 _CDNA = TargetPlans(
     pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
     grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
@@ -114,8 +116,10 @@ def _check_plan(plan: MoePlan) -> None:
             raise ValueError(f"moe plan {plan}: block_n, block_k and num_warps must be powers of two")
         if g.block_n < 16 or g.block_k < 32 or g.num_stages < 1:
             raise ValueError(f"moe plan {plan}: needs block_n >= 16, block_k >= 32, num_stages >= 1")
-    if plan.block_m < 16 or plan.block_m & (plan.block_m - 1) or (not plan.grouped and plan.block_m != 16):
-        raise ValueError(f"moe plan {plan}: block_m must be a power of two >= 16 (16 on the pair-major path)")
+    if plan.grouped and (plan.block_m < 16 or plan.block_m & (plan.block_m - 1)):
+        raise ValueError(f"moe plan {plan}: a grouped block_m must be a power of two >= 16")
+    if not plan.grouped and plan.block_m not in (1, 16):
+        raise ValueError(f"moe plan {plan}: a pair-major block_m must be 1 (vector units) or 16 (matrix unit)")
 
 
 def grouped_blocks(pairs: int, experts: int, block_m: int) -> int:
