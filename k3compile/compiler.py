@@ -114,10 +114,14 @@ def optimize(
         if options.validate
         else None
     )
-    result = run_pipeline(
-        captured.programs, cfg, plan, captured.specs, pipeline_options, validator,
-        on_pass=lambda name, phase: say(f"pass {name} ({phase})"), constants=captured.constants,
-    )
+    try:
+        result = run_pipeline(
+            captured.programs, cfg, plan, captured.specs, pipeline_options, validator,
+            on_pass=lambda name, phase: say(f"pass {name} ({phase})"), constants=captured.constants,
+        )
+    finally:
+        if validator is not None:
+            validator.close()
     say("write artifact")
     out = save_artifact(
         out_dir, captured, model_dir, options.target, [r.summary() for r in result.records], overwrite=overwrite

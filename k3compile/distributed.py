@@ -96,54 +96,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
+    """One rank of a :class:`RankPool`: joins the gloo group once, then runs each job
+    ``(fn, args)`` from its queue until it gets None."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        # Serialise to bytes: tensors sent through a queue live in shared memory that
-        # disappears when this process exits before the parent reads them.
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # report, so the parent fails with the rank's traceback
-        queue.put((rank, "error", traceback.format_exc()))
+        while (job := jobs.get()) is not None:
+            fn, args = job
+            try:
+                result = fn(rank, world, *args)
+                # Serialise to bytes: tensors sent through a queue live in shared memory that
+                # disappears when this process exits before the parent reads them.
+                buf = io.BytesIO()
+                torch.save(result, buf)
+                results.put((rank, "ok", buf.getvalue()))
+            except BaseException:  # report, so the parent fails with the rank's traceback
+                results.put((rank, "error", traceback.format_exc()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on each of ``world`` real gloo ranks in spawned processes
-    (``fn`` must be importable); returns the results by rank. Used by multi-rank
-    translation validation and the TP tests."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            try:
-                rank, status, value = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                # A rank that died without reporting (killed, crashed in the interpreter)
-                # would otherwise leave its peers blocked in a collective until the timeout.
-                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a result")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} gave no result in {timeout:.0f} s")
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
+class RankPool:
+    """``world`` real gloo ranks in spawned processes, started once and reused for many
+    jobs (starting a rank costs seconds: a Python process importing torch). Jobs run on
+    every rank in lockstep; a failed or stuck job ends the pool (its peers may be blocked
+    in a collective), so the next job needs a new pool.
+
+        with RankPool(2) as pool:
+            per_rank = pool.run(fn, *args)      # fn(rank, world, *args) on each rank
+    """
+
+    def __init__(self, world: int):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        # daemons: a pool never closed (an exception, a test) ends with this process
+        self._procs = [ctx.Process(target=_worker, args=(r, world, port, self._jobs[r], self._results), daemon=True)
+                       for r in range(world)]
+        for p in self._procs:
+            p.start()
+        self._broken = False
+
+    @property
+    def broken(self) -> bool:
+        """A job failed or timed out: the ranks are gone."""
+        return self._broken
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+        """``fn(rank, world, *args)`` on each rank (``fn`` must be importable); the results
+        by rank."""
+        if self._broken:
+            raise RuntimeError("this rank pool ended with an earlier job's failure")
+        for q in self._jobs:
+            q.put((fn, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < self.world:
+                try:
+                    rank, status, value = self._results.get(timeout=1.0)
+                except queue_module.Empty:
+                    # A rank that died without reporting (killed, crashed in the interpreter)
+                    # would otherwise leave its peers blocked in a collective until the timeout.
+                    dead = [r for r, p in enumerate(self._procs) if r not in results and not p.is_alive()]
+                    if dead:
+                        raise RuntimeError(f"rank {dead[0]} died (exit code {self._procs[dead[0]].exitcode}) "
+                                           "without a result")
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(self.world)) - set(results))
+                        raise TimeoutError(f"ranks {missing} gave no result in {timeout:.0f} s")
+                    continue
+                if status != "ok":
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        except BaseException:
+            self._broken = True
+            self.close()
+            raise
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Stop the ranks (at once if the pool is broken)."""
+        for q, p in zip(self._jobs, self._procs):
+            if p.is_alive() and not self._broken:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if self._broken else 30)
             if p.is_alive():
                 p.kill()
-    return [results[r] for r in range(world)]
+                p.join()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on each of ``world`` real gloo ranks in spawned processes
+    (``fn`` must be importable), once; returns the results by rank (see :class:`RankPool`
+    to run several jobs on the same ranks)."""
+    with RankPool(world) as pool:
+        return pool.run(fn, *args, timeout=timeout)

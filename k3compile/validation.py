@@ -216,7 +216,9 @@ class TranslationValidator:
 
     TP1 programs run in this process. TP > 1 programs run on ``tp`` real gloo ranks in
     spawned processes (the collectives in the graphs execute), each rank with its slice
-    of the same random weights; the error is the worst over ranks."""
+    of the same random weights; the error is the worst over ranks. The ranks start at the
+    first multi-rank check and serve every later one until :meth:`close` (or the end of a
+    ``with`` block)."""
 
     def __init__(
         self,
@@ -231,6 +233,27 @@ class TranslationValidator:
         self.rtol = rtol
         self.seed = seed
         self.block_size = block_size
+        self._pool = None  # the gloo ranks of multi-rank validations, started once for every pass and phase
+
+    def close(self) -> None:
+        """Stop the validation ranks (if any were started)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> TranslationValidator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ranks(self, world: int):
+        from k3compile.distributed import RankPool
+
+        if self._pool is None or self._pool.world != world or self._pool.broken:
+            self.close()
+            self._pool = RankPool(world)
+        return self._pool
 
     def __call__(
         self,
@@ -247,9 +270,7 @@ class TranslationValidator:
         if ctx.plan.tp == 1:
             errors = _compare(job, ctx.plan, before, after)
         else:
-            from k3compile.distributed import run_ranks
-
-            per_rank = run_ranks(_validate_rank, ctx.plan.tp, job, _program_bytes(before), _program_bytes(after))
+            per_rank = self._ranks(ctx.plan.tp).run(_validate_rank, job, _program_bytes(before), _program_bytes(after))
             errors = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
         worst = max(errors.values()) if errors else 0.0
         return ValidationReport(worst, self.rtol, worst <= self.rtol, errors)

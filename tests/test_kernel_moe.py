@@ -55,7 +55,8 @@ def _coarse(gen: torch.Generator, shape, lo: int, hi: int, step: float) -> torch
     return torch.randint(lo, hi, shape, generator=gen).float() * step
 
 
-@pytest.mark.parametrize(("T", "E", "k"), [(1, 64, 6), (5, 64, 6), (5, 64, 1), (3, 896, 16)])
+# E = 896: 4 rows of 256 lanes; E = 200: 4 rows of 64, the last with 8 experts (fewer than k)
+@pytest.mark.parametrize(("T", "E", "k"), [(1, 64, 6), (5, 64, 6), (5, 64, 1), (3, 896, 16), (4, 200, 16)])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_matches_the_reference(T, E, k, renormalize):
     gen = torch.Generator().manual_seed(T * 1000 + E + k)

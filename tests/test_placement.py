@@ -304,9 +304,10 @@ def test_redundant_work_tp2_decode_matches_a_hand_count(captured):
     moe_ops = [o for o in report.ops if o.group == "moe"]
     by_module = {}
     for o in moe_ops:
-        if o.op == "aten.linear.default":
+        if o.op in ("aten.linear.default", "k3.router_logits.default"):
             by_module.setdefault(o.module.rsplit(".", 1)[-1], []).append(o.flops)
-    # The replicated linears: router (hidden -> experts, fp32), latent down and up projections.
+    # The replicated contractions: router (k3.router_logits, hidden -> experts, fp32), latent
+    # down and up projections.
     assert by_module == {
         "mlp": [2 * B * H * E] * n_moe,
         "routed_expert_down_proj": [2 * B * H * L] * n_moe,

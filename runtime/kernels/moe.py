@@ -424,13 +424,13 @@ def _scale_words(kd: int, block_k: int, *scales: Tensor) -> bool:
     return kd % 128 == 0 and block_k % 128 == 0 and all(t.data_ptr() % 4 == 0 for t in scales)
 
 
-def _prefetch_x(g: GemmPlan) -> bool:
+def _prefetch_x(g: GemmPlan, block_m: int) -> bool:
     """Load the x tile of the next K step by hand, one step ahead. Triton (3.6 and 3.9)
     stages weights and scales through its software pipeline (cp.async) but loads the x
     tile of a wgmma (sm_90, 64+ weight rows per warpgroup, A from registers after the
     e2m1 upcast) synchronously in each step; mma.sync tiles (16/32 rows) get x staged too
-    and keep that."""
-    return g.block_n >= 64
+    and keep that. (The vector path loads its own steps ahead.)"""
+    return g.block_n >= 64 and block_m >= 16
 
 
 # --------------------------------------------------------------------------- launchers
@@ -535,13 +535,13 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     _expert_gemm_kernel[(n_blocks, triton.cdiv(I, g13.block_n), g13.split_k)](
         z, ids, sorted_pairs, block_expert, w1_packed, w1_scale, w3_packed, w3_scale, h, ws, counters,
         P, I, D, float(situ_beta), float(situ_linear_beta), GLU=True, BLOCK_N=g13.block_n, BLOCK_K=g13.block_k,
-        SCALE_WORDS=_scale_words(D, g13.block_k, w1_scale, w3_scale), PREFETCH_X=_prefetch_x(g13),
+        SCALE_WORDS=_scale_words(D, g13.block_k, w1_scale, w3_scale), PREFETCH_X=_prefetch_x(g13, plan.block_m),
         SPLIT_K=g13.split_k, **common, num_warps=g13.num_warps, num_stages=g13.num_stages)
     _expert_gemm_kernel[(n_blocks, triton.cdiv(D, g2.block_n), 1)](
         h, ids, sorted_pairs, block_expert, w2_packed, w2_scale, w2_packed, w2_scale, y, y, y,
         P, D, I, 1.0, 1.0, GLU=False, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k,
         SCALE_WORDS=_scale_words(I, g2.block_k, w2_scale),
-        PREFETCH_X=_prefetch_x(g2), SPLIT_K=1,
+        PREFETCH_X=_prefetch_x(g2, plan.block_m), SPLIT_K=1,
         **common, num_warps=g2.num_warps, num_stages=g2.num_stages)
     block_t = 4 if _INTERPRETED else 1
     _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, COMBINE_BLOCK))](
@@ -613,7 +613,7 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
             seen.add(key)
             c = {"TOP_K": top_k, "GLU": glu, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m,
                  "BLOCK_N": g.block_n, "BLOCK_K": g.block_k, "SCALE_WORDS": _scale_words(kd, g.block_k),
-                 "PREFETCH_X": _prefetch_x(g), "ROUND_BY_HAND": False, "SPLIT_K": g.split_k}
+                 "PREFETCH_X": _prefetch_x(g, plan.block_m), "ROUND_BY_HAND": False, "SPLIT_K": g.split_k}
             table = "*i32" if plan.grouped else "*i64"  # pair-major passes ids there (not read)
             types = {"x_ptr": f"*{t}", "ids_ptr": "*i64", "sorted_ptr": table, "block_expert_ptr": table,
                      "wa_ptr": "*u8", "sa_ptr": "*u8", "wb_ptr": "*u8", "sb_ptr": "*u8",
