@@ -385,8 +385,11 @@ def run_pipeline(
             result = graph_pass.run(gm, ctx)
             lint_graph(gm)
             sync_signature(program)
-            propagate_shapes(gm)
-            propagate_placements(gm, program, specs, plan)
+            after = snapshot(gm)
+            if result.changed or after != before:  # else every node's metadata is still right
+                propagate_shapes(gm)
+                propagate_placements(gm, program, specs, plan)
+                after = snapshot(gm)
             seconds = time.perf_counter() - start
             report = None
             if reference is not None and result.changed:
@@ -396,5 +399,5 @@ def run_pipeline(
                         f"pass {graph_pass.name} changed the {phase} graph's numerics: max error "
                         f"{report.max_error:.3e} exceeds tolerance {report.tolerance:.3e}"
                     )
-            records.append(PassRecord(graph_pass.name, phase, before, snapshot(gm), result, report, seconds))
+            records.append(PassRecord(graph_pass.name, phase, before, after, result, report, seconds))
     return PipelineResult(records)

@@ -22,7 +22,7 @@ from k3compile import runtime
 from k3compile.batch import CacheShape
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.context_parallel import ContextLayout, dcp_groups, localize_step, mla_cache_indices
-from k3compile.distributed import run_ranks
+from k3compile.distributed import RankPool
 from k3compile.ops.mla import mla_decode_reference
 from k3compile.placement import propagate_placements
 from k3compile.sequences import RequestError, SequenceTable
@@ -209,7 +209,8 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_pat
     assert all(n.meta["placement"] == Replicate() for n in gm.graph.nodes if n.name == "seq_lens")
 
     base = _compile(model, tmp_path / "dcp1", tp=2, dcp=1).out_dir
-    _check_like_dcp1(run_ranks(_rank_run, 2, base), run_ranks(_rank_run, 2, result.out_dir), dcp=2)
+    with RankPool(2) as ranks:
+        _check_like_dcp1(ranks.run(_rank_run, base), ranks.run(_rank_run, result.out_dir), dcp=2)
 
 
 @pytest.mark.slow
@@ -235,19 +236,21 @@ def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs,
     assert not any(n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default for n in gm.graph.nodes)
 
     base = _compile(model, tmp_path / "dcp1", tp=2, dcp=1).out_dir
-    _check_like_dcp1(run_ranks(_rank_run, 2, base), run_ranks(_rank_run, 2, result.out_dir), dcp=2)
+    with RankPool(2) as ranks:
+        _check_like_dcp1(ranks.run(_rank_run, base), ranks.run(_rank_run, result.out_dir), dcp=2)
 
 
 @pytest.mark.slow
 def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(model_dirs, tmp_path):
     """DCP4 with either merge (prompts of 1 and 2 tokens: members that own nothing)."""
     model = model_dirs("tiny")
-    base = run_ranks(_rank_run, 4, _compile(model, tmp_path / "dcp1", tp=4, dcp=1).out_dir)
-    dcp2 = _compile(model, tmp_path / "dcp2", tp=4, dcp=2, interleave=2).out_dir
-    _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp2), dcp=2)
-    for merge in ("reduce-scatter", "all-to-all"):
-        dcp4 = _compile(model, tmp_path / f"dcp4-{merge}", tp=4, dcp=4, merge=merge).out_dir
-        _check_like_dcp1(base, run_ranks(_rank_run, 4, dcp4), dcp=4)
+    with RankPool(4) as ranks:  # four ranks started once for the four artifacts
+        base = ranks.run(_rank_run, _compile(model, tmp_path / "dcp1", tp=4, dcp=1).out_dir)
+        dcp2 = _compile(model, tmp_path / "dcp2", tp=4, dcp=2, interleave=2).out_dir
+        _check_like_dcp1(base, ranks.run(_rank_run, dcp2), dcp=2)
+        for merge in ("reduce-scatter", "all-to-all"):
+            dcp4 = _compile(model, tmp_path / f"dcp4-{merge}", tp=4, dcp=4, merge=merge).out_dir
+            _check_like_dcp1(base, ranks.run(_rank_run, dcp4), dcp=4)
 
 
 def test_pass_is_required_by_dcp_and_skips_at_dcp1(model_dirs, tmp_path):

@@ -16,7 +16,7 @@ from k3compile.artifact import load_artifact
 from k3compile.capture import capture
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import get_preset
-from k3compile.distributed import run_ranks
+from k3compile.distributed import RankPool
 from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
 from k3compile.pipeline import PassContext
 from k3compile.placement import propagate_placements
@@ -70,8 +70,8 @@ def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp):
     assert targets.count("k3.add_rank_block_linear.default") == len(moe_layers)
     assert sum(1 for t in targets if "add_rank_block" in t) == len(moe_layers)
 
-    base = run_ranks(_rank_run, tp, plain)
-    opt = run_ranks(_rank_run, tp, deduped)
+    with RankPool(tp) as ranks:
+        base, opt = ranks.run(_rank_run, plain), ranks.run(_rank_run, deduped)
     for (logits_b, tokens_b, rows_b, read_b), (logits_o, tokens_o, rows_o, read_o) in zip(base, opt):
         torch.testing.assert_close(logits_o, logits_b, rtol=1e-5, atol=1e-5 * logits_b.abs().max().item())
         assert tokens_o == tokens_b and all(len(t) == NEW_TOKENS for t in tokens_o)

@@ -152,13 +152,14 @@ def test_tp2_ranks_hold_their_slice_and_greedy_tokens_match_the_pass_off(model_d
     of w2's input dim as the checkpoint's bytes: codes and scale groups, nothing else."""
     from safetensors import safe_open
 
-    from k3compile.distributed import run_ranks
+    from k3compile.distributed import RankPool
 
     model_dir = model_dirs("tiny", "mxfp4")
     runs = {}
-    for label, disable in (("on", ()), ("off", ("mxfp4_experts",))):
-        optimize(model_dir, tmp_path / label, CompileOptions(tp=2, dtype="float32", disable=disable))
-        runs[label] = run_ranks(_generate_on_rank, 2, tmp_path / label)
+    with RankPool(2) as ranks:
+        for label, disable in (("on", ()), ("off", ("mxfp4_experts",))):
+            optimize(model_dir, tmp_path / label, CompileOptions(tp=2, dtype="float32", disable=disable))
+            runs[label] = ranks.run(_generate_on_rank, tmp_path / label)
     assert runs["on"][0][0] == runs["on"][1][0] == runs["off"][0][0]
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     I = get_preset("tiny").moe_intermediate_size

@@ -27,7 +27,7 @@ from k3compile.artifact import load_artifact
 from k3compile.capture import capture
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import get_preset
-from k3compile.distributed import run_ranks
+from k3compile.distributed import RankPool
 from k3compile.kernel_tables import ReferenceKernel, fast_attention_kernel, kernel_table, next_accepted_heads
 from k3compile.ops import mla
 from k3compile.passes.pad_attention_heads import PadAttentionHeads
@@ -282,4 +282,5 @@ def test_tp1_pads_24_heads_to_32_and_runs_like_the_unpadded_artifact(model_dirs,
 def test_tp2_pads_12_heads_to_16_validated_on_gloo_ranks(model_dirs, tmp_path):
     plain, padded, records = _compile_pair(model_dirs, tmp_path, tp=2)
     _check_records(records, 12, 16)  # validated on two gloo ranks
-    _check_same_outputs(run_ranks(_rank_run, 2, plain), run_ranks(_rank_run, 2, padded))
+    with RankPool(2) as ranks:
+        _check_same_outputs(ranks.run(_rank_run, plain), ranks.run(_rank_run, padded))

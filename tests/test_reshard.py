@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from k3compile import runtime
 from k3compile.batch import CacheShape
 from k3compile.compiler import CompileOptions, optimize
-from k3compile.distributed import run_ranks
+from k3compile.distributed import RankPool
 from k3compile.pipeline import GraphPass, PassContext, PassResult, reshard_parameter
 from k3compile.reference import ReferenceEngine, load_reference
 
@@ -87,8 +87,8 @@ def test_resharded_parameter_validates_loads_and_runs_at_tp2(model_dirs, tmp_pat
     optimize(model_dir, plain, CompileOptions(tp=2, dtype="float32", disable=only))
 
     reference = ReferenceEngine(load_reference(model_dir), CacheShape(4, 16, 16)).prefill(PROMPTS)[1]
-    resharded = run_ranks(_rank_logits, 2, out)
-    baseline = run_ranks(_rank_logits, 2, plain)
+    with RankPool(2) as ranks:
+        resharded, baseline = ranks.run(_rank_logits, out), ranks.run(_rank_logits, plain)
     for (logits, rows, read), (_, full_rows, base_read) in zip(resharded, baseline):
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
         assert rows * 2 == full_rows == cfg.hidden_size  # each rank holds half of the rows...
