@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
-from k3compile.runtime.kernels import moe
+from k3compile.runtime.kernels import moe, routing
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.checkpoint.mxfp4 import unpack_mxfp4
@@ -168,7 +168,7 @@ def main() -> None:
     for T in args.batches:
         calls = [(torch.randn(T, E, generator=gen, device=DEVICE),
                   torch.randn(T, D, generator=gen, device=DEVICE).to(torch.bfloat16)) for _ in range(args.calls)]
-        routed = [moe.sigmoid_topk_route(lg, bias, TOP_K, True, SCALING) for lg, _ in calls]
+        routed = [routing.sigmoid_topk_route(lg, bias, TOP_K, True, SCALING) for lg, _ in calls]
         distinct = [int(torch.unique(ids).numel()) for _, ids in routed]
         act = T * D * 2 * 2 + T * TOP_K * (4 + 8)
         floor = statistics.mean(d * per_expert + act for d in distinct) / bandwidth  # bytes over copy bandwidth
@@ -194,7 +194,7 @@ def main() -> None:
                 z, *torch.ops.k3.sigmoid_topk_route(lg, bias, TOP_K, True, SCALING), *wl, BETA, LINEAR_BETA)
 
         n = range(args.calls)
-        row["route_s"] = graph_time([(lambda lg=lg: moe.sigmoid_topk_route(lg, bias, TOP_K, True, SCALING))
+        row["route_s"] = graph_time([(lambda lg=lg: routing.sigmoid_topk_route(lg, bias, TOP_K, True, SCALING))
                                      for lg, _ in calls], args.repeats)
         row["experts_s"] = graph_time([experts(i) for i in n], args.repeats)
         row["route_experts_s"] = graph_time([both(i) for i in n], args.repeats)

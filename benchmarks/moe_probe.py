@@ -21,7 +21,7 @@ import os
 import torch
 from gpu_timing import copy_bandwidth, graph_time
 from moe_layer import D, E, TOP_K, make_weights
-from k3compile.runtime.kernels import moe
+from k3compile.runtime.kernels import moe, routing
 
 import k3compile.ops  # noqa: F401
 
@@ -36,7 +36,7 @@ def inputs(T: int, calls: int, gen: torch.Generator) -> list[tuple[torch.Tensor,
     out = []
     for _ in range(calls):
         logits = torch.randn(T, E, generator=gen, device="cuda")
-        w, ids = moe.sigmoid_topk_route(logits, torch.zeros(E, device="cuda"), TOP_K, True, 1.0)
+        w, ids = routing.sigmoid_topk_route(logits, torch.zeros(E, device="cuda"), TOP_K, True, 1.0)
         z = torch.randn(T, D, generator=gen, device="cuda").bfloat16()
         out.append((z, w, ids))
     return out
@@ -108,7 +108,7 @@ def main() -> None:
             def route(x, warps=warps):
                 wt = torch.empty(T, TOP_K, device="cuda")
                 ids = torch.empty(T, TOP_K, dtype=torch.int64, device="cuda")
-                moe._route_kernel[(T,)](x, bias, wt, ids, E, 1.0, TOP_K=TOP_K, K_POW2=TOP_K, BLOCK_E=1024,
+                routing._route_kernel[(T,)](x, bias, wt, ids, E, 1.0, TOP_K=TOP_K, K_POW2=TOP_K, BLOCK_E=1024,
                                         RENORMALIZE=True, num_warps=warps)
             t = graph_time([lambda x=x: route(x) for x in logits], 20)
             rows.append({"T": T, "plan": f"route w{warps}", "us": round(t * 1e6, 1)})

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gpu_timing import copy_bandwidth, graph_time
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
-from k3compile.runtime.kernels.moe import register_cuda_kernels
+from k3compile.runtime.kernels.routing import register_cuda_kernels
 
 E, D, LAYERS = 896, 7168, 8
 

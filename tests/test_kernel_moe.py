@@ -41,7 +41,7 @@ import pytest  # noqa: E402
 import k3compile.ops  # noqa: E402,F401  (registers torch.ops.k3)
 from k3compile.checkpoint.mxfp4 import unpack_mxfp4  # noqa: E402
 from k3compile.ops import moe as moe_ops  # noqa: E402
-from k3compile.runtime.kernels import aot, moe  # noqa: E402
+from k3compile.runtime.kernels import aot, moe, routing  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -64,7 +64,7 @@ def test_route_matches_the_reference(T, E, k, renormalize):
     bias = _coarse(gen, (E,), -2, 3, 0.25)  # nonzero, also on a grid: biased ties survive
     for dtype in (torch.float32, torch.bfloat16):  # the grid is exact in bf16
         x = logits.to(dtype)
-        w, ids = moe.sigmoid_topk_route(x.to(DEVICE), bias.to(DEVICE), k, renormalize, 2.5)
+        w, ids = routing.sigmoid_topk_route(x.to(DEVICE), bias.to(DEVICE), k, renormalize, 2.5)
         rw, rids = moe_ops.sigmoid_topk_route(x, bias, k, renormalize, 2.5)
         assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, k)
         assert torch.equal(ids.cpu(), rids)  # ties: the lower expert id first, as the stable sort
@@ -73,7 +73,7 @@ def test_route_matches_the_reference(T, E, k, renormalize):
 
 def test_route_ties_go_to_lower_ids_and_leading_dims_are_kept():
     logits = torch.zeros(2, 3, 32)
-    w, ids = moe.sigmoid_topk_route(logits.to(DEVICE), torch.zeros(32, device=DEVICE), 4, True, 1.0)
+    w, ids = routing.sigmoid_topk_route(logits.to(DEVICE), torch.zeros(32, device=DEVICE), 4, True, 1.0)
     assert ids.shape == (2, 3, 4) and torch.equal(ids.cpu(), torch.arange(4).expand(2, 3, 4))
     torch.testing.assert_close(w.cpu(), torch.full((2, 3, 4), 0.25))
 
@@ -357,7 +357,7 @@ def test_routing_feeds_the_experts(poisoned):
     gen = torch.Generator().manual_seed(31)
     E, K, T = 16, 4, 5
     logits, bias = _coarse(gen, (T, E), -4, 4, 0.5), _coarse(gen, (E,), -2, 2, 0.125)
-    weights, ids = moe.sigmoid_topk_route(logits.to(DEVICE), bias.to(DEVICE), K, True, 2.5)
+    weights, ids = routing.sigmoid_topk_route(logits.to(DEVICE), bias.to(DEVICE), K, True, 2.5)
     rw, rids = moe_ops.sigmoid_topk_route(logits, bias, K, True, 2.5)
     weights, ids = weights.cpu(), ids.cpu()
     assert torch.equal(ids, rids)
@@ -451,9 +451,9 @@ def test_bad_arguments_are_named():
         with pytest.raises(ValueError, match=message):
             moe.moe_experts_mxfp4(*args, BETA, LINEAR_BETA)
     with pytest.raises(ValueError, match="top_k"):
-        moe.sigmoid_topk_route(torch.zeros(2, 8), torch.zeros(8), 9, True, 1.0)
+        routing.sigmoid_topk_route(torch.zeros(2, 8), torch.zeros(8), 9, True, 1.0)
     with pytest.raises(ValueError, match="bias"):
-        moe.sigmoid_topk_route(torch.zeros(2, 8), torch.zeros(7), 2, True, 1.0)
+        routing.sigmoid_topk_route(torch.zeros(2, 8), torch.zeros(7), 2, True, 1.0)
 
 
 # --------------------------------------------------------------------------- AOT

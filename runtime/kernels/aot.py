@@ -43,6 +43,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -152,6 +153,16 @@ class CompileRequest:
     num_warps: int = 4
     num_stages: int = 1
     divisible_by_16: tuple[str, ...] = ()
+
+
+#: Triton's names of the activation dtypes the launchers take
+TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def launch_signature(fn: JITFunction, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
+    """Every argument of ``fn``: "constexpr" for ``constexprs``, its type from ``types``,
+    else "i32" (the integer sizes and strides)."""
+    return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,7 @@ from torch import Tensor
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3.* for the reference chain)
 from k3compile.ops.kda import L2NORM_EPS
+from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.counters import ArrivalCounters
 
 __all__ = [
@@ -599,7 +600,6 @@ def _constexprs(
             "PDL": config.pdl}
 
 
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FP32_POINTERS = ("q_conv_w_ptr", "k_conv_w_ptr", "v_conv_w_ptr", "a_log_ptr", "dt_bias_ptr", "state_ptr",
                   "norm_weight_ptr")
 
@@ -615,7 +615,7 @@ def aot_signature(
     ``pdl`` only for CUDA targets (the wait is a CUDA instruction)."""
     config = launch_config(1, heads, head_dim, head_dim_v, 1, block_v=block_v, tiles_per_program=tiles_per_program,
                            num_warps=num_warps, num_stages=num_stages, evict_state=evict_state, pdl=pdl)
-    t = _TRITON_DTYPES[dtype]
+    t = TRITON_DTYPES[dtype]
     pointer = {"slots_ptr": "i64", "counter_ptr": "i32", **{name: "fp32" for name in _FP32_POINTERS}}
     signature = {
         arg: f"*{pointer.get(arg, t)}" if arg.endswith("_ptr") else "fp32" if arg in ("lower_bound", "scale", "eps")

@@ -68,7 +68,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from k3compile.runtime.kernels.aot import KernelLaunch
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
@@ -406,7 +406,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NUM_WARPS = 4
 #: the split combine: one warp (see _combine_constexprs)
 _COMBINE_WARPS = 1
-_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int:
@@ -578,7 +577,7 @@ def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: t
     """Every kernel of this module as the launchers specialise it on ``backend`` ("hip" or
     "cuda"), for AOT checks with aot.compile_for_target: the split-KV kernel once per
     head tile (``mla_decode_split_kv_h16`` ...)."""
-    t = _TRITON_DTYPE[dtype]
+    t = TRITON_DTYPES[dtype]
 
     def launch(name: str, fn, ptrs: dict[str, str], c: dict[str, object], num_warps: int = _NUM_WARPS,
                num_stages: int = 1, typed: dict[str, str] | None = None) -> KernelLaunch:

@@ -1,7 +1,6 @@
-"""Routed-expert kernels: sigmoid top-k routing and the MXFP4 experts of a latent MoE.
+"""Routed-expert kernels: the MXFP4 experts of a latent MoE (routing: ``routing.py``).
 
-Semantics are those of ``torch.ops.k3.sigmoid_topk_route`` and
-``torch.ops.k3.moe_experts_mxfp4`` (k3compile/ops/moe.py, whose torch references are the
+Semantics are those of ``torch.ops.k3.moe_experts_mxfp4`` (k3compile/ops/moe.py, whose torch references are the
 numerical truth). Expert weights stay as the checkpoint stores them
 (k3compile/checkpoint/mxfp4.py): E2M1 codes two per byte (low nibble = even input
 column) and one E8M0 scale byte per 32 input columns, stacked over experts; they are
@@ -20,11 +19,6 @@ decoded in registers, on one of two units:
 Kernels (every one runs inside CUDA graphs: no host synchronisation, grids sized from
 shapes only, for the worst case, with early exit):
 
-- ``_route_kernel``: one program per token; sigmoid in fp32, top-k of ``s + bias`` by
-  ``top_k`` rounds of one max-reduction over keys (score bits, then the id reversed), so
-  ids come in decreasing biased score with ties to the lower expert id (the reference's
-  stable sort); weights ``s[ids]``, renormalised (``/ (sum + 1e-20)``) and scaled. One
-  launch.
 - ``_expert_gemm_kernel``: one source for both products. GLU: ``h[p] = situ_glu(W1[e] z_t,
   W3[e] z_t)`` stored in z's dtype; else ``y[p] = W2[e] h[p]`` in fp32 (p = t * top_k + k
   is a (token, slot) pair, e = ids[p]). Grid (pair rows, weight-row tiles): a program reads
@@ -54,7 +48,7 @@ shapes only, for the worst case, with early exit):
   order (no atomics: deterministic), stored in z's dtype; 1024 columns of a token per
   program.
 
-Launches: routing 1; experts pair-major 3 (w13, w2, combine), grouped 4 (align + the
+Launches: experts pair-major 3 (w13, w2, combine), grouped 4 (align + the
 same three). The path and tiles come from a per-target :class:`MoePlan` table
 (:func:`choose_plan`): pair-major below ``grouped_min_pairs`` pairs (T * top_k).
 
@@ -75,7 +69,7 @@ Workspaces come from ``torch.empty`` on the caller's stream (the graph's pool un
 capture): h [P, I] (z dtype), y [P, D] fp32 (P = T * top_k; 59 MB at T = 256 and K3's
 D = 3584), and for grouped launches the align tables (int32). Requirements (checked):
 contiguous uint8 weights, D and I multiples of 32, ids in [0, E) (not checked: that
-would need a host sync), top_k <= E <= MAX_EXPERTS.
+would need a host sync), top_k <= E.
 """
 
 from __future__ import annotations
@@ -88,53 +82,19 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from k3compile.runtime.kernels.aot import KernelLaunch
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
+from k3compile.runtime.kernels import routing
 from k3compile.runtime.kernels.counters import ArrivalCounters
 from k3compile.runtime.kernels.moe_plans import (  # noqa: F401  (the plans are part of this module's API)
     PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, device_target, grouped_blocks,
 )
 
-MAX_EXPERTS = 4096  # one register row per token in the routing kernel
-ROUTE_WARPS = 4  # one token's 896 scores per program (H200: 5.5 us at 4 warps, 9.3 at 1)
 ALIGN_CHUNK = 64  # pairs per step of the align kernel (a [64, 64] compare for the ranks)
 COMBINE_BLOCK = 1024  # output columns per combine program, one token each (56 registers on sm_90, 62 VGPRs on
 # gfx950; 4 tokens: 144 / 260); 4 tokens per program under the interpreter, whose cost is per program
-_Z_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 # --------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
-                  TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One token per program. Each of the top_k rounds is ONE max-reduction over int64 keys
-    (order-preserving bits of the biased score << 32 | BLOCK_E - 1 - id): the largest key is
-    the best score with ties to the lowest id. The weights re-read the picked logits."""
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    valid = e < E
-    s = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32))
-    score = s + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    score = tl.where(score != score, float("inf"), score)  # NaN first, as torch's descending sort
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order of ints = order of floats
-    key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
-    key = tl.where(valid, key, -9223372036854775807 - 1)
-    slots = tl.arange(0, K_POW2)
-    sel_id = tl.zeros([K_POW2], dtype=tl.int32)
-    for k in range(TOP_K):  # a loop, not unrolled: 16 unrolled rounds of 1024 lanes compile slowly
-        best = tl.max(key, axis=0)
-        pick = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        sel_id = tl.where(slots == k, pick, sel_id)
-        key = tl.where(e == pick, -9223372036854775807 - 1, key)
-    keep = slots < TOP_K
-    sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))
-    sel_w = tl.where(keep, sel_w, 0.0)
-    if RENORMALIZE:
-        sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)
-    tl.store(weights_ptr + t * TOP_K + slots, sel_w * scaling, mask=keep)
-    tl.store(ids_ptr + t * TOP_K + slots, sel_id.to(tl.int64), mask=keep)
 
 
 @triton.jit
@@ -278,12 +238,12 @@ def _expert_gemm_kernel(
         s_other: tl.constexpr = 127
     shifts = (tl.arange(0, 4) * 8)[None, None, :]
     TWO_PARTS: tl.constexpr = x_ptr.dtype.element_ty != tl.bfloat16 and not FMA
-    x_off = xrow.to(tl.int64)[None, :] * KD + tl.arange(0, BLOCK_K)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
     if FMA:  # the first x value of each code word
         x_off = xrow.to(tl.int64)[:, None] * KD + tl.arange(0, BLOCK_K // 8)[None, :] * 8
         acc_a = tl.full([BLOCK_N, BLOCK_K // 32], 0.0, tl.float32)  # per group of 32 until the end
         acc_b = tl.full([BLOCK_N, BLOCK_K // 32], 0.0, tl.float32)
     else:
+        x_off = xrow.to(tl.int64)[None, :] * KD + tl.arange(0, BLOCK_K)[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
         acc_a = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)  # tl.full, not tl.zeros: a builtin (cheap interpreted)
         acc_b = tl.full([BLOCK_N, BLOCK_M], 0.0, tl.float32)
     steps = KD // BLOCK_K
@@ -441,31 +401,10 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def sigmoid_topk_route(logits: Tensor, correction_bias: Tensor, top_k: int, renormalize: bool,
-                       scaling: float) -> tuple[Tensor, Tensor]:
-    """``k3::sigmoid_topk_route`` in one launch: (weights fp32 [..., top_k], ids int64)."""
-    E = logits.shape[-1]
-    if logits.dtype not in _Z_DTYPES or not correction_bias.dtype.is_floating_point:
-        raise ValueError(f"sigmoid_topk_route: logits {logits.dtype} / bias {correction_bias.dtype} must be float")
-    if correction_bias.shape != (E,) or not 1 <= top_k <= E or E > MAX_EXPERTS:
-        raise ValueError(f"sigmoid_topk_route: logits {tuple(logits.shape)}, bias {tuple(correction_bias.shape)}, "
-                         f"top_k {top_k}: need bias [E], 1 <= top_k <= E <= {MAX_EXPERTS}")
-    x = logits.reshape(-1, E).contiguous()
-    weights = _empty((x.shape[0], top_k), torch.float32, x.device)
-    ids = _empty((x.shape[0], top_k), torch.int64, x.device)
-    if x.shape[0]:
-        block_e = triton.next_power_of_2(E)
-        _route_kernel[(x.shape[0],)](x, correction_bias.contiguous(), weights, ids, E, float(scaling),
-                                     TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-                                     RENORMALIZE=bool(renormalize), num_warps=ROUTE_WARPS)
-    shape = (*logits.shape[:-1], top_k)
-    return weights.view(shape), ids.view(shape)
-
-
 def _check_experts(z: Tensor, weights: Tensor, ids: Tensor, w1p: Tensor, w1s: Tensor, w3p: Tensor, w3s: Tensor,
                    w2p: Tensor, w2s: Tensor) -> tuple[int, int, int, int, int]:
     """(T, D, I, E, K) after checking dtypes, shapes, devices and contiguity."""
-    if z.dim() != 2 or z.dtype not in _Z_DTYPES:
+    if z.dim() != 2 or z.dtype not in TRITON_DTYPES:
         raise ValueError(f"moe_experts_mxfp4: z must be [T, D] bf16/fp16/fp32, got {tuple(z.shape)} {z.dtype}")
     T, D = z.shape
     if weights.dim() != 2 or weights.shape[0] != T or ids.shape != weights.shape:
@@ -550,24 +489,13 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     return out
 
 
-def router_logits(x: Tensor, weight: Tensor) -> Tensor:
-    """``k3::router_logits``: with bf16 / fp16 operands one GEMM that reads the weight as
-    stored and writes fp32 (``torch.mm(..., out_dtype=float32)``, cuBLAS on CUDA), else the
-    reference's fp32 product."""
-    if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.version.hip:
-        flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-        return flat.view(*x.shape[:-1], weight.shape[0])
-    return torch.nn.functional.linear(x.float(), weight.float())
-
-
 def register_cuda_kernels() -> None:
-    """Use these kernels for ``k3::router_logits``, ``k3::sigmoid_topk_route`` and
-    ``k3::moe_experts_mxfp4`` on CUDA/ROCm tensors (registering again replaces the same
-    functions)."""
+    """Use these kernels for the MoE's ops on CUDA/ROCm tensors: ``k3::router_logits`` and
+    ``k3::sigmoid_topk_route`` (``routing.py``) and ``k3::moe_experts_mxfp4`` (registering
+    again replaces the same functions)."""
     from k3compile.ops import moe
 
-    moe.router_logits.register_kernel("cuda")(router_logits)
-    moe.sigmoid_topk_route.register_kernel("cuda")(sigmoid_topk_route)
+    routing.register_cuda_kernels()
 
     def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                 situ_beta, situ_linear_beta):
@@ -580,28 +508,19 @@ def register_cuda_kernels() -> None:
 # --------------------------------------------------------------------------- AOT
 
 
-def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
-    return {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
-
-
 def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: int = 384,
                  dtype: torch.dtype = torch.bfloat16, plans: TargetPlans | None = None) -> list[KernelLaunch]:
     """Every specialisation the launchers pick with ``plans`` (default: ``target``'s) at
-    one TP8 rank's K3 shapes: routing, combine, and per distinct plan the align kernel
-    (grouped) and the w13 / w2 products. Integer arguments that are multiples of 16 there
-    are marked so, as Triton's JIT specialises them at launch."""
-    t = _Z_DTYPES[dtype]
-    launches = []
-    c = {"TOP_K": top_k, "K_POW2": triton.next_power_of_2(top_k), "BLOCK_E": triton.next_power_of_2(E),
-         "RENORMALIZE": True}
-    launches.append(KernelLaunch("route", _route_kernel, _sig(_route_kernel, {
-        "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "scaling": "fp32"},
-        c), c, ROUTE_WARPS))
+    one TP8 rank's K3 shapes: routing (``routing.aot_requests``), combine, and per
+    distinct plan the align kernel (grouped) and the w13 / w2 products. Integer arguments
+    that are multiples of 16 there are marked so, as Triton's JIT specialises them."""
+    t = TRITON_DTYPES[dtype]
+    launches = routing.aot_requests(E, top_k)
     c = {"TOP_K": top_k, "BLOCK_T": 1, "BLOCK_D": COMBINE_BLOCK, "ROUND_BY_HAND": False}
-    launches.append(KernelLaunch("combine", _combine_kernel, _sig(_combine_kernel, {
+    launches.append(KernelLaunch("combine", _combine_kernel, launch_signature(_combine_kernel, {
         "y_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}, c), c, 4, 1, ("D",)))
     c = {"E_POW2": triton.next_power_of_2(E), "CHUNK": ALIGN_CHUNK}
-    launches.append(KernelLaunch("align", _align_kernel, _sig(_align_kernel, {
+    launches.append(KernelLaunch("align", _align_kernel, launch_signature(_align_kernel, {
         "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}, c), c, 4))
     plans = plans or PLANS[target]
     seen = set()
@@ -621,5 +540,5 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
                      "beta": "fp32", "linear_beta": "fp32"}
             div = tuple(a for a, v in (("N", n), ("KD", kd)) if v % 16 == 0)
             launches.append(KernelLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
-                                      _sig(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div))
+                                      launch_signature(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div))
     return launches

@@ -74,6 +74,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.counters import ArrivalCounters
 
 
@@ -398,7 +399,6 @@ def add_rank_block_linear(acc: Tensor, x: Tensor, weight: Tensor, start: Tensor)
     return add_rank_block_linear_vendor(acc, x, weight, start)
 
 
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def splitk_aot_signature(
@@ -407,7 +407,7 @@ def splitk_aot_signature(
 ) -> tuple[dict[str, str], dict[str, object], int]:
     """(signature, constexprs, num_warps) of the split-K kernel as ``add_rank_block_linear``
     launches it for bf16 K3 TP8 shapes by default (for ``aot.compile_for_target``)."""
-    t = _TRITON_DTYPES[dtype]
+    t = TRITON_DTYPES[dtype]
     plan = splitk_plan(T, N, n, K, config or choose_splitk_config(T), dtype, interpreted=False)
     pointers = {"start_ptr": "*i64", "ws_ptr": "*fp32", "counter_ptr": "*i32"}
     signature = {
