@@ -42,6 +42,7 @@ import k3compile  # noqa: F401  (registers torch.ops.k3)
 from k3compile.context_parallel import DCP_GROUP_NAME, ContextLayout
 from k3compile.distributed import init_context_parallel
 from k3compile.ops.mla import mla_decode_reference
+from k3compile.runtime.kernels import register_gpu_kernels
 from k3compile.sharding import ParallelPlan
 
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
@@ -141,6 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
+    register_gpu_kernels()  # the k3 ops below run the runtime's Triton kernels, as the engine's do
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     plan = ParallelPlan(DCP, rank, dcp=DCP)
     init_context_parallel(plan)

@@ -10,7 +10,8 @@ state, ``--slots`` state slots (512). Variants, each captured in a torch.cuda.CU
 (a) ``fused``: ``kda_decode_fused``, one launch, as ``k3::kda_decode_fused`` launches it (with
     programmatic dependent launch on CUDA sm_90+; also timed without it), and a sweep over
     its value tile BV;
-(b) ``unfused``: ``kda_decode_chain_reference``, the repo's eager torch ops in model order;
+(b) ``unfused``: ``kda_decode_chain_reference`` (k3compile/ops/kda_fused.py), the repo's eager
+    torch ops in model order;
 (c) ``fla_stack``, what serving engines run today: fla's ``causal_conv1d_update`` on q|k|v in
     one launch (it takes no slot indices: the conv-cache rows of the batch are gathered before
     and scattered after, in fla's [S, C, K] cache layout), ``fused_recurrent_kda_fwd`` with the
@@ -53,9 +54,9 @@ import torch
 import triton
 
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
+from k3compile.ops.kda_fused import kda_decode_chain_reference
 from k3compile.runtime.kernels.kda_decode import (
     bytes_moved,
-    kda_decode_chain_reference,
     kda_decode_fused,
     launch_config,
     supports_pdl,

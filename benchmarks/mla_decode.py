@@ -7,9 +7,10 @@ What it measures, in one run on one GPU (needs torch >= 2.11 and triton >= 3.6):
 
 1. Correctness first, at a moderate shape (ragged contexts including 0 and 1, permuted
    blocks): both decode kernels (the split-KV one padded from 12 heads to 16 and at the
-   extra head counts, 32 by default) and the prefill kernel against
-   ``torch.ops.k3.mla_decode`` on fp32 copies of the same bf16 inputs. A decode mismatch
-   aborts the run.
+   extra head counts, 32 by default) and the prefill kernel against the op's torch
+   reference (``mla_decode_reference``, not ``torch.ops.k3.mla_decode``, which runs these
+   kernels on a GPU once they are registered) on fp32 copies of the same bf16 inputs. A
+   decode mismatch aborts the run.
 2. Copy bandwidth: a large device-to-device copy, (bytes read + written) / time: the
    achievable HBM bandwidth of this GPU, measured in the same run.
 3. For each heads x batch x context (every sequence full, bf16 latent cache 576 wide,
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 import triton
 from gpu_timing import copy_bandwidth, graph_time
+from k3compile.ops.mla import mla_decode_reference
 from k3compile.runtime.kernels import mla_decode as mk
 
 LATENT, ROPE = 512, 64
@@ -110,8 +112,8 @@ class RaggedCase:
     def q_and_reference(self, heads: int):
         if heads not in self._q:
             q = torch.randn(len(self.lens), heads, WIDTH, generator=self.gen, device="cuda").bfloat16()
-            self._q[heads] = (q, *torch.ops.k3.mla_decode(q.float(), self.cache.float(), self.table, self.seq_lens,
-                                                          SCALE, LATENT))
+            self._q[heads] = (q, *mla_decode_reference(q.float(), self.cache.float(), self.table, self.seq_lens,
+                                                       SCALE, LATENT))
         return self._q[heads]
 
     def errors(self, heads: int, run: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -149,7 +151,7 @@ def check_correctness(case: RaggedCase, heads: int, extra_heads: list[int], gen:
     o, lse = mk.mla_prefill_absorbed(qp, cache, cu, table, case.seq_lens, SCALE, LATENT)
     seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new)).cuda()
     pos = torch.cat([torch.arange(n - k, n) for n, k in zip(lens, new, strict=True)]).cuda()
-    ref_o, ref_lse = torch.ops.k3.mla_decode(qp.float(), cache.float(), table[seq], (pos + 1).int(), SCALE, LATENT)
+    ref_o, ref_lse = mla_decode_reference(qp.float(), cache.float(), table[seq], (pos + 1).int(), SCALE, LATENT)
     o_err, lse_err = (o.float() - ref_o).abs().max().item(), (lse - ref_lse).abs().max().item()
     report["prefill"] = {"o_max_err": o_err, "lse_max_err": lse_err, "ok": close(o, ref_o) and lse_err < 1e-3}
     if bad:
@@ -193,7 +195,7 @@ def bench_shape(heads: int, batch: int, context: int, args, gen: torch.Generator
     # the reference materialises [B, context, 576] fp32 and [B, H, context] scores
     if batch * context <= args.reference_max_tokens:
         try:
-            row["reference_s"] = graph_time([lambda: torch.ops.k3.mla_decode(
+            row["reference_s"] = graph_time([lambda: mla_decode_reference(
                 q, caches[0], table, seq_lens, SCALE, LATENT)], max(3, args.repeats // 10))
         except Exception as e:  # noqa: BLE001  (a peer's failure, e.g. out of memory, must not lose the kernels' numbers)
             row["reference_error"] = repr(e)

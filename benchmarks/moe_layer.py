@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
-from k3compile.runtime.kernels import moe, routing
+from k3compile.runtime.kernels import moe, register_gpu_kernels, routing
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.checkpoint.mxfp4 import unpack_mxfp4
@@ -148,7 +148,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("moe_layer.py needs a CUDA GPU")
     t_start = time.time()
-    moe.register_cuda_kernels()
+    register_gpu_kernels()
     target = moe.device_target(torch.device(DEVICE))
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w = make_weights(gen)

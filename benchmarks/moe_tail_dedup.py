@@ -53,7 +53,7 @@ from gpu_timing import (  # benchmarks/ is the script's directory
     copy_bandwidth,
     graph_time,
 )
-from k3compile.runtime.kernels import rows
+from k3compile.runtime.kernels import register_gpu_kernels, rows
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 
@@ -255,7 +255,7 @@ def main() -> None:
         return before, after
 
     reference = {b: time_tails(b) for b in batches}  # the k3 ops' torch references
-    rows.register_cuda_kernels()  # from here on the k3 ops run the runtime's row kernels
+    register_gpu_kernels()  # from here on the k3 ops run the runtime's kernels (the row kernels here)
     results["check_rel_error_row_kernels"] = check()
     for b in batches:
         routed, shared = inputs[b]

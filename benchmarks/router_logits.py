@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gpu_timing import copy_bandwidth, graph_time
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
-from k3compile.runtime.kernels.routing import register_cuda_kernels
+from k3compile.runtime.kernels import register_gpu_kernels
 
 E, D, LAYERS = 896, 7168, 8
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     args = ap.parse_args()
-    register_cuda_kernels()
+    register_gpu_kernels()
     gen = torch.Generator(device="cuda").manual_seed(0)
     ws = [(torch.randn(E, D, generator=gen, device="cuda") / D**0.5).bfloat16() for _ in range(LAYERS)]
     w32 = [w.float() for w in ws]

@@ -1,5 +1,9 @@
 """The compiled artifact: a directory the runtime loads on every rank.
 
+This module is the format and its reader: a leaf that both the runtime and the compiler
+read (it imports config, sharding, checkpoint index names and torch, nothing of the
+compiler). :mod:`k3compile.artifact_writer` writes artifacts from a captured model.
+
 Layout of ``OUT/``::
 
     manifest.json            what this is and how it was made (below), and the sha256 and
@@ -47,23 +51,20 @@ it (no pickled payloads, no nested ``torch.save`` archives, no compiled AOTInduc
 libraries, no legacy-format members), so ``torch.export.load`` only parses JSON and raw
 tensor bytes.
 
-Writes are atomic: everything is written and fsynced in a hidden temporary sibling of
-``OUT`` (``.OUT.tmp-*``) and renamed onto ``OUT``; replacing an existing artifact renames
-the old one away first and deletes it last, so a failure leaves the old ``OUT`` or none,
-never a partial one. Loading checks format and version, every file's size and sha256,
-missing and unexpected files, the world size, and the source checkpoint's index hash,
-and raises :class:`ArtifactError` naming the file and field that is wrong.
+Writes (:mod:`k3compile.artifact_writer`) are atomic: everything is written and fsynced
+in a hidden temporary sibling of ``OUT`` (``.OUT.tmp-*``) and renamed onto ``OUT``;
+replacing an existing artifact renames the old one away first and deletes it last, so a
+failure leaves the old ``OUT`` or none, never a partial one. Loading checks format and
+version, every file's size and sha256, missing and unexpected files, the world size, and
+the source checkpoint's index hash, and raises :class:`ArtifactError` naming the file
+and field that is wrong.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import io
 import json
 import os
-import shutil
-import tempfile
 import warnings
 import zipfile
 from dataclasses import dataclass, field
@@ -73,8 +74,6 @@ from typing import Any, Literal
 import torch
 from torch.export import ExportedProgram
 
-import k3compile
-from k3compile.capture import CapturedModel, CaptureStats
 from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import K3Config
 from k3compile.sharding import ParallelPlan, ShardingError, ShardOffset, ShardSpec
@@ -103,6 +102,15 @@ class ArtifactError(ValueError):
 
 class ArtifactWarning(UserWarning):
     """Something about an artifact is off but loading goes on (``check_checkpoint="warn"``)."""
+
+
+@dataclass
+class CaptureStats:
+    """What capturing cost, per phase (the manifest's ``capture_stats``)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    nodes: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,7 +162,8 @@ class LoadedArtifact:
 # ---------------------------------------------------------------------------
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -162,65 +171,15 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # not supported on this platform/filesystem
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_manifest_bytes(root: Path, data: bytes) -> None:
-    _write_bytes(root / MANIFEST, data)
-    _write_bytes(root / MANIFEST_SEAL, (hashlib.sha256(data).hexdigest() + "\n").encode())
-
-
-def write_manifest(root: str | Path, manifest: dict[str, Any]) -> None:
-    """Rewrite an artifact's manifest and its checksum (for deliberate edits, e.g. after
-    moving the source checkpoint; loading verifies the result like any manifest)."""
-    _write_manifest_bytes(Path(root), (json.dumps(manifest, indent=1) + "\n").encode())
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    _write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ArtifactError(f"model dtype {dtype} is not one of {', '.join(DTYPES)}")
-
-
-def _checkpoint_index_hash(model_dir: Path) -> str:
+def checkpoint_index_hash(model_dir: Path) -> str:
+    """The sha256 of a checkpoint's index: the identity an artifact records and checks."""
     index = model_dir / INDEX_FILE
     if not index.is_file():
         raise ArtifactError(f"{index}: missing checkpoint index (the artifact's weights are read from {model_dir})")
-    return _sha256_file(index)
+    return sha256_file(index)
 
 
-def _list_files(root: Path) -> dict[str, Path]:
+def list_files(root: Path) -> dict[str, Path]:
     """Every regular file under ``root`` by its posix path relative to ``root``; refuses
     symlinks and other special files (they could point outside the artifact)."""
     out: dict[str, Path] = {}
@@ -240,24 +199,8 @@ def _list_files(root: Path) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------------------
-# The .pt2 archives: write without pickle, scan before loading
+# The .pt2 archives: scan before loading
 # ---------------------------------------------------------------------------
-
-
-def save_program(program: ExportedProgram, f: Path | io.BytesIO) -> None:
-    """``torch.export.save`` without the example inputs (the only pickle it writes for
-    programs captured on meta: ``data/sample_inputs/model.pt``)."""
-    saved = program._example_inputs
-    program._example_inputs = None
-    try:
-        torch.export.save(program, f)
-    finally:
-        program._example_inputs = saved
-
-
-def _save_program(program: ExportedProgram, path: Path) -> None:
-    save_program(program, path)
-    _fsync_file(path)
 
 
 def check_no_pickle(path: str | Path, label: str | None = None) -> None:
@@ -315,33 +258,6 @@ def check_no_pickle(path: str | Path, label: str | None = None) -> None:
 # ---------------------------------------------------------------------------
 # Sharding files
 # ---------------------------------------------------------------------------
-
-
-def _rank_file(
-    specs: dict[str, ShardSpec], constants: dict[str, ShardOffset], tp: int, rank: int, prefix: str
-) -> dict[str, Any]:
-    plan = ParallelPlan(tp, rank)
-    params = {}
-    for name, spec in sorted(specs.items()):
-        rng = spec.split_range(plan)
-        params[name] = {
-            "checkpoint_names": list(spec.names),
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "dim": spec.dim,
-            "extent": spec.extent,
-            "range": None if rng is None else list(rng),
-            "local_shape": list(spec.local_shape(plan)),
-            "quantized": spec.quantized,
-        }
-    consts = {
-        name: {"kind": "shard_offset", "extent": off.extent, "period": off.period, "value": off.value(plan)}
-        for name, off in sorted(constants.items())
-    }
-    return {
-        "format": SHARDING_FORMAT, "rank": rank, "tp": tp, "checkpoint_prefix": prefix,
-        "params": params, "constants": consts,
-    }
 
 
 def _parse_constants(raw: Any, label: str, plan: ParallelPlan) -> dict[str, ShardOffset]:
@@ -421,132 +337,6 @@ def _parse_rank_file(raw: Any, label: str, tp: int, rank: int) -> dict[str, Shar
         specs[name] = spec
     return specs
 
-
-# ---------------------------------------------------------------------------
-# Save
-# ---------------------------------------------------------------------------
-
-
-def _check_params_have_specs(captured: CapturedModel) -> None:
-    for phase, program in captured.programs.items():
-        missing = [n for n in program.graph_signature.parameters if n not in captured.specs]
-        if missing:
-            raise ArtifactError(f"{phase} program: parameters without a shard spec: {missing[:5]}")
-
-
-def _is_artifact(path: Path) -> bool:
-    try:
-        return json.loads((path / MANIFEST).read_bytes()).get("format") == FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def save_artifact(
-    out_dir: str | Path,
-    captured: CapturedModel,
-    model_dir: str | Path,
-    target: str,
-    pass_summaries: list[Any],
-    overwrite: bool = False,
-) -> Path:
-    """Write ``captured`` as an artifact at ``out_dir`` atomically; returns its path.
-
-    ``model_dir`` is the checkpoint the runtime will read weights from (its index is
-    hashed); ``pass_summaries`` is any JSON-serialisable list (one entry per pass run).
-    An existing ``out_dir`` is refused unless ``overwrite``, and even then only if it is
-    a k3compile artifact or an empty directory."""
-    from k3compile.targets import get_target
-
-    out = Path(out_dir).absolute()
-    model_dir = Path(model_dir).resolve()
-    try:
-        get_target(target)
-    except ValueError as e:
-        raise ArtifactError(str(e)) from e
-    if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise ArtifactError(f"{out} already exists (pass overwrite=True to replace it)")
-        if not out.is_dir() or out.is_symlink() or not (_is_artifact(out) or not any(out.iterdir())):
-            raise ArtifactError(f"refusing to overwrite {out}: it is not a k3compile artifact")
-    if not captured.programs:
-        raise ArtifactError("nothing to save: the captured model has no programs")
-    for phase in captured.programs:
-        if not phase.isidentifier():
-            raise ArtifactError(f"phase name {phase!r} is not an identifier (it names the artifact's files)")
-    _check_params_have_specs(captured)
-    index_sha = _checkpoint_index_hash(model_dir)
-    tp = captured.plan.tp
-    dtype = _dtype_name(captured.dtype)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        for phase, program in captured.programs.items():
-            path = tmp / f"{phase}.pt2"
-            _save_program(program, path)
-            check_no_pickle(path, f"{phase}.pt2")
-            header = f"# k3compile artifact: the {phase} program, for reading only (never executed).\n\n"
-            _write_bytes(tmp / "code" / f"{phase}.py", (header + str(program)).encode())
-        for rank in range(tp):
-            _write_json(
-                tmp / "sharding" / f"rank{rank}.json",
-                _rank_file(captured.specs, captured.constants, tp, rank, captured.config.checkpoint_prefix),
-            )
-        files = {
-            rel: {"sha256": _sha256_file(p), "size": p.stat().st_size} for rel, p in sorted(_list_files(tmp).items())
-        }
-        manifest = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "k3compile_version": k3compile.__version__,
-            "torch_version": torch.__version__,
-            "config": captured.config.to_dict(),
-            "model_dir": str(model_dir),
-            "checkpoint_index_sha256": index_sha,
-            "dtype": dtype,
-            "block_size": captured.block_size,
-            "parallel": {"tp": tp, "dcp": captured.plan.dcp, "dcp_interleave": captured.plan.dcp_interleave},
-            "target": target,
-            "phases": list(captured.programs),
-            "passes": pass_summaries,
-            "capture_stats": dataclasses.asdict(captured.stats),
-            "files": files,
-        }
-        try:
-            text = json.dumps(manifest, indent=1)
-        except (TypeError, ValueError) as e:
-            raise ArtifactError(
-                f"manifest.json: field 'passes' (or 'capture_stats') is not JSON-serialisable: {e}"
-            ) from e
-        _write_manifest_bytes(tmp, (text + "\n").encode())
-        for d in (tmp / "code", tmp / "sharding", tmp):
-            _fsync_dir(d)
-        _install(tmp, out, overwrite)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _install(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` onto ``out``; an existing ``out`` is renamed away first
-    and deleted last, and restored if the rename in fails."""
-    if not (out.exists() or out.is_symlink()):
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-        return
-    if not overwrite:  # appeared while we were writing
-        raise ArtifactError(f"{out} already exists (pass overwrite=True to replace it)")
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rmdir(old)  # a unique name for the old artifact
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    _fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------
@@ -655,7 +445,7 @@ def _verify_files(root: Path, info: ArtifactInfo, files: dict[str, dict[str, Any
         raise ArtifactError(
             f"{MANIFEST}: field 'files' lists '{unknown[0]}', which is not part of this artifact's layout"
         )
-    present = _list_files(root)
+    present = list_files(root)
     present.pop(MANIFEST, None)
     present.pop(MANIFEST_SEAL, None)
     missing, extra = sorted(set(files) - set(present)), sorted(set(present) - set(files))
@@ -670,7 +460,7 @@ def _verify_files(root: Path, info: ArtifactInfo, files: dict[str, dict[str, Any
             raise ArtifactError(
                 f"{path}: size {size} differs from {entry['size']} in {MANIFEST} (modified or truncated)"
             )
-        digest = _sha256_file(path)
+        digest = sha256_file(path)
         if digest != entry["sha256"]:
             raise ArtifactError(f"{path}: sha256 {digest} differs from {MANIFEST} (the file was modified)")
 
@@ -679,7 +469,7 @@ def _check_checkpoint(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
     if mode is False:
         return
     try:
-        digest = _checkpoint_index_hash(Path(info.model_dir))
+        digest = checkpoint_index_hash(Path(info.model_dir))
         problem = None
         if digest != info.checkpoint_index_sha256:
             problem = (

@@ -8,6 +8,7 @@ MLA is NoPE); they only decide where a token's MLA latent is cached.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +86,36 @@ def allocate_caches(
             kv = torch.zeros(shape.num_blocks, shape.block_size, cfg.mla_cache_width, dtype=dtype, device=device)
             caches.append(MLALayerCache(kv))
     return caches
+
+
+def flatten_caches(caches: Sequence[LayerCache]) -> list[Tensor]:
+    """Cache tensors in the programs' input order (KDA: conv_q, conv_k, conv_v, state;
+    MLA: kv), layer by layer."""
+    out: list[Tensor] = []
+    for c in caches:
+        out.extend((c.conv_q, c.conv_k, c.conv_v, c.state) if isinstance(c, KDALayerCache) else (c.kv,))
+    return out
+
+
+def unflatten_caches(cfg: K3Config, flat: Sequence[Tensor]) -> list[LayerCache]:
+    """The per-layer caches of ``cfg`` from :func:`flatten_caches`' order."""
+    caches: list[LayerCache] = []
+    i = 0
+    for kind in cfg.layer_kinds:
+        if kind == "kda":
+            caches.append(KDALayerCache(*flat[i : i + 4]))
+            i += 4
+        else:
+            caches.append(MLALayerCache(flat[i]))
+            i += 1
+    if i != len(flat):
+        raise ValueError(f"expected {i} cache tensors for {cfg.num_hidden_layers} layers, got {len(flat)}")
+    return caches
+
+
+def zero_state_slot(caches: Sequence[LayerCache], slot: int) -> None:
+    """A new sequence starts from zero KDA conv and recurrent states."""
+    for cache in caches:
+        if isinstance(cache, KDALayerCache):
+            for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state):
+                t[slot].zero_()

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
-from k3compile.batch import Batch, KDALayerCache, LayerCache, MLALayerCache
+from k3compile.artifact import CaptureStats
+from k3compile.batch import Batch, CacheShape, allocate_caches, flatten_caches, unflatten_caches
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
@@ -39,29 +40,6 @@ from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec, rank_consta
 Phase = Literal["decode", "prefill"]
 PHASES: tuple[Phase, ...] = ("decode", "prefill")
 STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "state_slots", "block_table", "slot_mapping", "logit_indices")
-
-
-def flatten_caches(caches: Sequence[LayerCache]) -> list[Tensor]:
-    """Cache tensors in the programs' input order."""
-    out: list[Tensor] = []
-    for c in caches:
-        out.extend((c.conv_q, c.conv_k, c.conv_v, c.state) if isinstance(c, KDALayerCache) else (c.kv,))
-    return out
-
-
-def unflatten_caches(cfg: K3Config, flat: Sequence[Tensor]) -> list[LayerCache]:
-    caches: list[LayerCache] = []
-    i = 0
-    for kind in cfg.layer_kinds:
-        if kind == "kda":
-            caches.append(KDALayerCache(*flat[i : i + 4]))
-            i += 4
-        else:
-            caches.append(MLALayerCache(flat[i]))
-            i += 1
-    if i != len(flat):
-        raise ValueError(f"expected {i} cache tensors for {cfg.num_hidden_layers} layers, got {len(flat)}")
-    return caches
 
 
 class StepModule(nn.Module):
@@ -100,8 +78,6 @@ def example_inputs(
     """(args, dynamic_shapes) for exporting ``phase``. Example sizes are distinct and >= 2
     so that no dynamic dimension specialises or aliases another. The MLA block size is
     static: kernels tile by it, so it is fixed per artifact."""
-    from k3compile.batch import CacheShape, allocate_caches
-
     tokens, seqs, blocks_per_seq, n_out = (5, 5, 7, 5) if phase == "decode" else (19, 5, 7, 6)
     shape = CacheShape(num_slots=11, num_blocks=13, block_size=block_size)
     caches = flatten_caches(allocate_caches(cfg, plan, shape, dtype, device))
@@ -155,13 +131,6 @@ def drop_device_asserts(program: ExportedProgram) -> None:
         if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
             graph.erase_node(node)
     program.graph_module.recompile()
-
-
-@dataclass
-class CaptureStats:
-    seconds: dict[str, float] = field(default_factory=dict)
-    nodes: dict[str, int] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
 
 
 @dataclass

@@ -6,16 +6,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from k3compile.artifact import save_artifact
+from k3compile.artifact_writer import save_artifact
 from k3compile.capture import PHASES, CapturedModel, capture
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter, load_checkpoint_config
-from k3compile.pipeline import PipelineOptions, PipelineResult, run_pipeline
+from k3compile.pipeline import PipelineOptions, PipelineResult, pass_configs, run_pipeline
 from k3compile.placement import propagate_placements
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import get_target
@@ -29,8 +30,6 @@ class CompileOptions:
     tp: int = 1
     dcp: int = 1  # decode context parallelism (a divisor of tp), see k3compile/context_parallel.py
     dcp_interleave: int = 1
-    #: how DCP members merge partial attentions (passes/split_mla_context.py: "reduce-scatter" or "all-to-all")
-    dcp_merge: str = "all-to-all"
     target: str = "cpu"
     dtype: str = "bfloat16"
     block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
@@ -38,14 +37,14 @@ class CompileOptions:
     disable: tuple[str, ...] = ()
     validate: bool = False
     rtol: float = 1e-4
+    #: pass name -> its options (a ``Config`` instance or a mapping of its fields), e.g.
+    #: ``{"split_mla_context": {"merge": "reduce-scatter"}}``: how DCP members merge
+    pass_configs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        from k3compile.passes.split_mla_context import MERGES
-
-        if self.dcp_merge not in MERGES:
-            raise ValueError(f"dcp_merge must be one of {', '.join(MERGES)}, got {self.dcp_merge!r}")
+        pass_configs(self.pass_configs)  # unknown passes, options or choices fail here
         if self.block_size is None:
             object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
 
@@ -101,11 +100,9 @@ def optimize(
     check_checkpoint_headers(model_dir, captured)
     for program in captured.programs.values():
         propagate_placements(program.graph_module, program, captured.specs, plan)
-    from k3compile.passes.split_mla_context import SplitMLAContext
-
     pipeline_options = PipelineOptions(
         target=options.target, enable=options.enable, disable=options.disable, validate=options.validate,
-        rtol=options.rtol, pass_configs=((SplitMLAContext.name, SplitMLAContext.Config(merge=options.dcp_merge)),),
+        rtol=options.rtol, pass_configs=pass_configs(options.pass_configs),
     )
     validator = (
         TranslationValidator(

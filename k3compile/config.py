@@ -272,10 +272,13 @@ def _quantization_format(raw: dict[str, Any], path: str) -> ExpertFormat:
 
 
 def load_config(model_dir: str | Path) -> K3Config:
-    """Read ``model_dir/config.json`` (``kimi_k3`` or ``kimi_linear``)."""
-    path = Path(model_dir) / "config.json"
+    """Read ``model_dir/config.json`` (``kimi_k3`` or ``kimi_linear``); ``model_dir`` may
+    also be the config.json file itself (e.g. a config kept apart from its weights)."""
+    path = Path(model_dir)
     if not path.is_file():
-        raise ConfigError(f"{path}: no config.json in model directory {model_dir}")
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json in model directory {model_dir}")
     try:
         raw = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -555,6 +558,12 @@ def with_layers(cfg: K3Config, num_layers: int) -> K3Config:
 
 
 def get_preset(name: str) -> K3Config:
+    """The built-in configuration ``name`` (a key of :data:`PRESETS`)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def preset_name(cfg: K3Config) -> str | None:
+    """The name of the preset equal to ``cfg``, or None for a custom configuration."""
+    return next((name for name, preset in PRESETS.items() if preset == cfg), None)

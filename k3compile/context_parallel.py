@@ -125,7 +125,7 @@ class LocalStep:
 
 
 def mla_cache_indices(layer_kinds: tuple[str, ...] | list[str]) -> list[int]:
-    """Indices of the MLA caches in the flat cache list (k3compile.capture.flatten_caches)."""
+    """Indices of the MLA caches in the flat cache list (k3compile.batch.flatten_caches)."""
     out, i = [], 0
     for kind in layer_kinds:
         if kind == "kda":

@@ -183,7 +183,7 @@ def plan_memory(
     target = get_target(options.target)
     pipeline = PipelineOptions(target=options.target, enable=options.enable, disable=options.disable)
     plan = ParallelPlan(options.tp, 0, options.dcp, options.dcp_interleave)
-    names = [p.name for p in resolve_passes(target, pipeline, plan)]
+    passes = resolve_passes(target, pipeline, plan)
     say("capture decode")
     captured = capture(cfg, plan, options.dtype, options.block_size, phases=("decode",))
     program = captured.programs["decode"]
@@ -196,15 +196,13 @@ def plan_memory(
 
     result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program,
                         specs=captured.specs)
-    from k3compile.passes import ALL_PASSES
-
-    for name in names:
-        say(f"pass {name}")
+    for graph_pass in passes:
+        say(f"pass {graph_pass.name}")
         run_pipeline(captured.programs, cfg, plan, captured.specs, pipeline, constants=captured.constants,
-                     passes=[ALL_PASSES[name]()])
+                     passes=[graph_pass])
         after = estimate()
         if after != result.stages[-1][1]:
-            result.stages.append((name, after))
+            result.stages.append((graph_pass.name, after))
         else:
-            result.unchanged.append(name)
+            result.unchanged.append(graph_pass.name)
     return result

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3compile.batch import CacheShape, LayerCache, KDALayerCache, allocate_caches
+from k3compile.batch import CacheShape, allocate_caches, zero_state_slot
 from k3compile.checkpoint.loader import load_checkpoint_config, load_weights
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
@@ -23,15 +23,7 @@ from k3compile.model import K3ForCausalLM
 from k3compile.sequences import RequestError, Sequence, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan, fill_rank_constants
 
-__all__ = ["ReferenceEngine", "RequestError", "load_reference", "zero_state_slot"]
-
-
-def zero_state_slot(caches: list[LayerCache], slot: int) -> None:
-    """A new sequence starts from zero KDA conv and recurrent states."""
-    for cache in caches:
-        if isinstance(cache, KDALayerCache):
-            for t in (cache.conv_q, cache.conv_k, cache.conv_v, cache.state):
-                t[slot].zero_()
+__all__ = ["ReferenceEngine", "RequestError", "load_reference"]
 
 
 class ReferenceEngine:

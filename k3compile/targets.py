@@ -1,17 +1,20 @@
 """Compilation targets: the hardware a compiled artifact is meant for.
 
 A target names its device kind and the facts passes consult (memory, compute units,
-on-chip memory per unit) and its default pass pipeline. Kernel capability tables (which
-attention kernels exist and which shapes they accept) are derived from the kernels'
-own declarations in ``k3compile.runtime``, not written here.
+on-chip memory per unit). Its default pass pipeline follows from the passes' own
+declarations (``GraphPass.default_on``: the device kinds a pass runs on by default), and
+kernel capability tables (which attention kernels exist and which shapes they accept)
+from the kernels' own declarations in ``k3compile.runtime``; neither is written here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 DeviceKind = Literal["cuda", "hip", "cpu"]
+DEVICE_KINDS: tuple[DeviceKind, ...] = get_args(DeviceKind)
+GPU_DEVICES: frozenset[DeviceKind] = frozenset({"cuda", "hip"})
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,6 @@ class Target:
     compute_units: int
     local_memory_bytes: int  # shared memory per SM / LDS per CU
     hbm_bytes: int
-    default_passes: tuple[str, ...]
     #: tokens per MLA cache block when the user gives none: on h200 64, so that the
     #: split-KV kernel's 32-row KV tiles lie inside one block and load by tensor
     #: descriptors (TMA; 1.5x the pointer gathers at batch 16, BENCHMARKS.md); 64 is
@@ -31,17 +33,11 @@ class Target:
     mla_block_size: int = 16
 
 
-# The mission's passes join these lists as they land (one file each in passes/).
-_COMMON_PASSES: tuple[str, ...] = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies")
-#: GPU targets also fuse single-token KDA into one kernel and pad attention heads to what
-#: their fast MLA decode kernel accepts.
-_GPU_PASSES: tuple[str, ...] = (*_COMMON_PASSES, "fuse_kda_decode", "pad_attention_heads")
-
 TARGETS: dict[str, Target] = {
-    "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, _GPU_PASSES, mla_block_size=64),
-    "mi355x": Target("mi355x", "hip", "gfx950", 256, 160 * 1024, 288 * 10**9, _GPU_PASSES),
-    "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9, _GPU_PASSES),
-    "cpu": Target("cpu", "cpu", "cpu", 1, 0, 0, _COMMON_PASSES),
+    "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, mla_block_size=64),
+    "mi355x": Target("mi355x", "hip", "gfx950", 256, 160 * 1024, 288 * 10**9),
+    "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9),
+    "cpu": Target("cpu", "cpu", "cpu", 1, 0, 0),
 }
 
 

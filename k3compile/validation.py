@@ -26,8 +26,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
-from k3compile.batch import CacheShape, KDALayerCache, allocate_caches
-from k3compile.capture import flatten_caches
+import k3compile.ops  # noqa: F401  (ranks deserialize programs that call torch.ops.k3.*)
+from k3compile.batch import CacheShape, KDALayerCache, allocate_caches, flatten_caches
 from k3compile.checkpoint.generate import stored_random_tensor
 from k3compile.config import K3Config
 from k3compile.context_parallel import ContextLayout, localize_step, mla_cache_indices, program_layout
@@ -195,7 +195,7 @@ def _compare(job: _Job, plan: ParallelPlan, before: ExportedProgram, after: Expo
 
 
 def _program_bytes(program: ExportedProgram) -> bytes:
-    from k3compile.artifact import save_program
+    from k3compile.artifact_writer import save_program
 
     buf = io.BytesIO()
     save_program(program, buf)

@@ -63,16 +63,10 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from k3compile.pipeline import (
-    GraphPass,
-    PassContext,
-    PassResult,
-    Rewrite,
-    Skipped,
-    add_rank_constant,
-    reshard_parameter,
-)
+from k3compile.pipeline.graph_edits import add_rank_constant, reshard_parameter
+from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
 from k3compile.sharding import Partial, Replicate, ShardOffset
+from k3compile.targets import DEVICE_KINDS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -119,11 +113,14 @@ def _layer(node: Node) -> str:
     return found.group(1) if found else "-"
 
 
+@register_pass
 class DedupReplicatedLinear(GraphPass):
     """Rank r computes its 1/tp of a replicated linear's rows and lets the existing
     all-reduce assemble them (see the module docstring)."""
 
     name = "dedup_replicated_linear"
+    default_on = frozenset(DEVICE_KINDS)
+    needs = frozenset({"placements"})  # matches by node.meta["placement"]
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)

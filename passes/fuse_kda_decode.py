@@ -81,7 +81,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 import k3compile.ops.kda_fused  # noqa: F401  (registers torch.ops.k3.kda_decode_fused)
-from k3compile.pipeline import GraphPass, PassContext, PassResult, Rewrite, Skipped
+from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
+from k3compile.targets import GPU_DEVICES
 
 aten = torch.ops.aten
 k3 = torch.ops.k3
@@ -195,10 +196,13 @@ def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+@register_pass
 class FuseKDADecode(GraphPass):
     """Replace each KDA decode chain (conv x3, gate, beta, step, norm) by one fused op."""
 
     name = "fuse_kda_decode"
+    #: GPU targets: the fused op is one Triton kernel there; on the CPU it runs the same ops.
+    default_on = GPU_DEVICES
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)

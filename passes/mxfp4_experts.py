@@ -45,8 +45,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from k3compile.checkpoint.mxfp4 import GROUP_SIZE
-from k3compile.pipeline import GraphPass, PassContext, PassResult, Rewrite, Skipped, add_parameter, remove_parameter
+from k3compile.pipeline.graph_edits import add_parameter, remove_parameter
+from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
 from k3compile.sharding import ShardSpec
+from k3compile.targets import DEVICE_KINDS
 
 k3 = torch.ops.k3
 
@@ -69,10 +71,12 @@ def packed_specs(dense: ShardSpec) -> tuple[ShardSpec, ShardSpec]:
     return stored("packed", cols // 2), stored("scale", cols // GROUP_SIZE)
 
 
+@register_pass
 class MXFP4Experts(GraphPass):
     """Routed experts read as stored MXFP4 codes and scales (see the module docstring)."""
 
     name = "mxfp4_experts"
+    default_on = frozenset(DEVICE_KINDS)
 
     def __init__(self, config=None):
         super().__init__(config)

@@ -65,7 +65,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from k3compile.kernel_tables import AttentionKernel, fast_attention_kernel
-from k3compile.pipeline import GraphPass, PassContext, PassResult, Rewrite, Skipped
+from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
+from k3compile.targets import GPU_DEVICES
 
 k3 = torch.ops.k3
 
@@ -76,11 +77,16 @@ def _module_path(node: Node) -> str:
     return list(stack.values())[-1][0] if stack else "<no module>"
 
 
+@register_pass
 class PadAttentionHeads(GraphPass):
     """Pad MLA decode queries to the head count the target's fast kernel accepts (see the
     module docstring)."""
 
     name = "pad_attention_heads"
+    #: GPU targets (on the CPU the reference kernel takes every head count).
+    default_on = GPU_DEVICES
+    #: It must see the head count decode attention finally runs with (DCP gathers heads).
+    after = ("split_mla_context",)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)

@@ -32,7 +32,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from k3compile.pipeline import GraphPass, PassContext, PassResult, Skipped
+from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Skipped, register_pass
+from k3compile.targets import DEVICE_KINDS
 
 aten = torch.ops.aten
 
@@ -92,8 +93,12 @@ def _bytes(val: torch.Tensor) -> int:
     return numel * val.element_size()
 
 
+@register_pass
 class RemoveNoops(GraphPass):
+    """Drop views, casts, slices and copies whose result equals their input."""
+
     name = "remove_noops"
+    default_on = frozenset(DEVICE_KINDS)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)

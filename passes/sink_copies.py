@@ -46,7 +46,8 @@ import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from k3compile.pipeline import GraphPass, PassContext, PassResult, Rewrite, Skipped
+from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
+from k3compile.targets import DEVICE_KINDS
 
 aten = torch.ops.aten
 COND = torch.ops.higher_order.cond
@@ -130,10 +131,12 @@ class _Cond:
         self.node.args = (*self.node.args[:3], tuple(self.operands))
 
 
+@register_pass
 class SinkCopies(GraphPass):
     """Move cond operands that are copies into the one branch that reads them."""
 
     name = "sink_copies"
+    default_on = frozenset(DEVICE_KINDS)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)

@@ -85,8 +85,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from k3compile.context_parallel import DCP_GROUP_NAME, LAYOUT_META_KEY, program_layout
-from k3compile.pipeline import GraphPass, PassContext, PassError, PassResult, Rewrite, Skipped, add_rank_constant
-from k3compile.sharding import ShardOffset
+from k3compile.pipeline.graph_edits import add_rank_constant
+from k3compile.pipeline.interface import GraphPass, PassContext, PassError, PassResult, Rewrite, Skipped, register_pass
+from k3compile.sharding import ParallelPlan, ShardOffset
 
 aten, k3, c10d = torch.ops.aten, torch.ops.k3, torch.ops._c10d_functional
 
@@ -94,14 +95,13 @@ aten, k3, c10d = torch.ops.aten, torch.ops.k3, torch.ops._c10d_functional
 POSITION_OFFSET = "context_parallel.position_offset"
 
 _DECODE_OPS = (k3.mla_decode.default, k3.mla_decode_split_kv.default)
-#: the merge exchanges SplitMLAContext.Config accepts
-MERGES = ("reduce-scatter", "all-to-all")
 
 
 def _stack(node: Node) -> dict:
     return node.meta.get("nn_module_stack", {})
 
 
+@register_pass
 class SplitMLAContext(GraphPass):
     """Rewrite MLA attention for a KV cache split by position across the DCP group (see
     the module docstring)."""
@@ -110,12 +110,15 @@ class SplitMLAContext(GraphPass):
 
     @dataclass(frozen=True)
     class Config:
-        #: how the members' partial attentions are merged (see the module docstring)
+        #: how the members' partial attentions are merged (see the module docstring); the
+        #: choices are checked by the registry and offered by ``optimize --dcp-merge``
         merge: Literal["reduce-scatter", "all-to-all"] = "all-to-all"
 
-        def __post_init__(self) -> None:
-            if self.merge not in MERGES:
-                raise ValueError(f"split_mla_context: merge must be one of {', '.join(MERGES)}, got {self.merge!r}")
+    @classmethod
+    def required_by(cls, plan: ParallelPlan) -> str | None:
+        """Under DCP the runtime lays the MLA cache out by position, which only the
+        rewritten attention reads correctly."""
+        return f"dcp={plan.dcp}" if plan.dcp > 1 else None
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)

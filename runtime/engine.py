@@ -23,6 +23,7 @@ Prefill runs eagerly (its packed shapes vary).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +35,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from k3compile.artifact import LoadedArtifact, load_artifact
-from k3compile.batch import Batch, CacheShape, allocate_caches
-from k3compile.capture import flatten_caches
+from k3compile.batch import Batch, CacheShape, allocate_caches, flatten_caches, zero_state_slot
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
 from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
-from k3compile.reference import zero_state_slot
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan
@@ -61,13 +60,24 @@ class RuntimeOptions:
     check_checkpoint: bool = True
 
 
-def _device(options: RuntimeOptions) -> torch.device:
-    """The requested device; a GPU without an index is this process's local rank's."""
-    kind = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(name: str | None) -> torch.device:
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` as a device (None: cuda when a GPU is visible,
+    else cpu); a GPU without an index is this process's local rank's. Anything else, or a
+    GPU where torch sees none, is a ValueError that says what to choose."""
+    if name is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"unknown device {name!r}; choose cpu or cuda (or cuda:N)")
+    kind = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{kind}: torch sees no CUDA/ROCm GPU here; use cpu")
     device = torch.device(kind)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return device
+
+
+def _device(options: RuntimeOptions) -> torch.device:
+    """The options' device (:func:`resolve_device`)."""
+    return resolve_device(options.device)
 
 
 def init_distributed(world_size: int, device: torch.device) -> int:
@@ -139,10 +149,11 @@ class Runtime:
             artifact, artifact.programs["decode"], self.plan, device, on_progress
         )
         if device.type == "cuda":
-            from k3compile.runtime.kernels import moe, rows
+            from k3compile.runtime.kernels import register_gpu_kernels
 
-            rows.register_cuda_kernels()  # one-launch RMSNorm and add_rank_block instead of the torch references
-            moe.register_cuda_kernels()  # routing and the MXFP4 experts without host syncs
+            # The k3 ops' Triton kernels instead of their torch references (MLA and KDA decode,
+            # DCP merges, RMSNorm and add_rank_block, routing and the MXFP4 experts without host syncs).
+            register_gpu_kernels(device.type)
         self.modules = {}
         for phase, program in artifact.programs.items():
             module = program.module()

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from k3compile.artifact import (
-    write_manifest,
     FORMAT_NAME,
     FORMAT_VERSION,
     ArtifactError,
@@ -24,10 +23,10 @@ from k3compile.artifact import (
     check_no_pickle,
     load_artifact,
     read_artifact_info,
-    save_artifact,
 )
-from k3compile.batch import CacheShape
-from k3compile.capture import capture, flatten_caches
+from k3compile.artifact_writer import save_artifact, write_manifest
+from k3compile.batch import CacheShape, flatten_caches
+from k3compile.capture import capture
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import PRESETS

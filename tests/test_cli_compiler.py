@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from k3compile.pipeline import default_pass_names
 from k3compile.targets import get_target
 from typer.testing import CliRunner
 
-from k3compile.artifact import MANIFEST, write_manifest
+from k3compile.artifact import MANIFEST
+from k3compile.artifact_writer import write_manifest
 from k3compile.batch import CacheShape
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.cli import app
@@ -101,7 +103,7 @@ def test_optimize_writes_artifact(compiled, model_dir):
     out, stdout = compiled
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["parallel"]["tp"] == 1 and manifest["dtype"] == "float32" and manifest["target"] == "cpu"
-    passes = get_target("cpu").default_passes
+    passes = default_pass_names(get_target("cpu"))
     assert [(p["pass"], p["phase"]) for p in manifest["passes"]] == [
         (name, phase) for name in passes for phase in ("decode", "prefill")]
     dedup = next(p for p in manifest["passes"] if p["pass"] == "dedup_replicated_linear")

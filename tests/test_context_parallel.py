@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-import k3compile  # noqa: F401  (registers torch.ops.k3)
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile import runtime
 from k3compile.batch import CacheShape
 from k3compile.compiler import CompileOptions, optimize
@@ -148,8 +148,8 @@ def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: b
     """Float32 artifact; when validating, only the DCP pass runs (validation on gloo ranks
     after every pass is what makes these tests slow)."""
     others = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies") if validate else ()
-    options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dcp_merge=merge, dtype="float32",
-                             validate=validate, disable=others)
+    options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dtype="float32", validate=validate,
+                             disable=others, pass_configs={"split_mla_context": {"merge": merge}})
     return optimize(model_dir, out, options, overwrite=True)
 
 

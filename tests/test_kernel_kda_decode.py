@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter as triton_interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from k3compile.ops.kda_fused import kda_decode_chain_reference  # noqa: E402
 from k3compile.runtime.kernels import aot  # noqa: E402
 from k3compile.runtime.kernels import kda_decode as kda  # noqa: E402
 
@@ -45,7 +46,7 @@ CAN_INTERPRET = KERNEL_INTERPRETED and aot._language_interpreted()
 CAN_COMPILE = not KERNEL_INTERPRETED or aot._language_interpreted()
 _CHILD_ENV = "K3_TEST_KDA_DECODE_CHILD"
 # The tests that need one mode (each starts with runs_here); a child runs only these.
-_MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain",
+_MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain or test_op_kernel_prepares_its_arguments",
                "compile": "test_aot_compiles_and_fits or test_pdl_reads_only_the_state_before_waiting"}
 _child_runs: dict[str, tuple[dict[str, str], str]] = {}
 
@@ -210,7 +211,7 @@ def test_fused_matches_unfused_chain(request: pytest.FixtureRequest, case: Case)
         if i == 0:
             out = torch.full((case.batch, case.heads, case.head_dim_v), float("nan"), dtype=case.dtype)
         y = kda.kda_decode_fused(**step, **fused, out=out, **case.launch())
-        y_ref = kda.kda_decode_chain_reference(**step, **ref)
+        y_ref = kda_decode_chain_reference(**step, **ref)
         if out is not None:
             assert y is out
         assert y.dtype == case.dtype and y.shape == (case.batch, case.heads, case.head_dim_v)
@@ -229,6 +230,28 @@ def test_fused_matches_unfused_chain(request: pytest.FixtureRequest, case: Case)
         assert not torch.equal(fused[name][fixed["slots"]], initial[name][fixed["slots"]]), name
 
 
+def test_op_kernel_prepares_its_arguments(request: pytest.FixtureRequest) -> None:
+    """What the runtime registers for ``k3::kda_decode_fused`` (``kda_decode_fused_op``)
+    casts bf16 weights to fp32 and makes strided activations contiguous before the launch:
+    the result equals the reference chain on the same (fp32-cast) weights."""
+    if not runs_here(request, "interpret"):
+        return
+    case = Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=None, dtype=torch.float32)
+    fixed, steps = make_inputs(case, seed=11)
+    weights = ("conv_weight_q", "conv_weight_k", "conv_weight_v", "A_log", "dt_bias", "norm_weight")
+    low = {name: fixed[name].bfloat16() for name in weights}
+    fused = {**_with_own_states(fixed), **low}
+    ref = {**_with_own_states(fixed), **{name: w.float() for name, w in low.items()}}
+    step = steps[0]
+    strided = {name: torch.cat([t, t], dim=1)[:, : t.shape[1]] for name, t in step.items()}
+    assert not strided["q"].is_contiguous()
+    y = kda.kda_decode_fused_op(**strided, **fused)
+    y_ref = kda_decode_chain_reference(**step, **ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    for name in STATE_NAMES:
+        torch.testing.assert_close(fused[name], ref[name], rtol=1e-5, atol=1e-5)
+
+
 def test_reference_chain_matches_independent_math() -> None:
     """The reference chain against the K3 math written out here, with fla's naive gate and
     recurrent step (fp32): conv + SiLU, L2 norm of q and k, one delta-rule step, gated RMSNorm."""
@@ -243,7 +266,7 @@ def test_reference_chain_matches_independent_math() -> None:
     fixed, steps = make_inputs(case, seed=7)
     step, slots = steps[0], fixed["slots"]
     ref = _with_own_states(fixed)
-    y = kda.kda_decode_chain_reference(**step, **ref)
+    y = kda_decode_chain_reference(**step, **ref)
 
     def conv(name: str, width: int) -> torch.Tensor:
         window = torch.cat([fixed[f"conv_state_{name}"][slots], step[name][:, :, None]], dim=2)

@@ -18,7 +18,9 @@ import dataclasses
 
 import pytest
 import torch
-from k3compile.runtime.kernels import aot  # importing k3compile registers torch.ops.k3
+
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
+from k3compile.runtime.kernels import aot
 from k3compile.runtime.kernels import mla_decode as mk
 
 DEVICE = "cuda" if torch.cuda.is_available() and not mk._INTERPRETED else "cpu"
@@ -235,6 +237,29 @@ def test_declarations():
     assert "k_pe" in generic.reason_rejected(12, torch.bfloat16, 576 + 64, 512)
     assert mk.MLA_PREFILL_KERNELS[0].accepts(12, torch.bfloat16, 576, 512)
     assert fast.launch is mk.mla_decode_split_kv
+
+
+def test_op_kernel_takes_the_first_kernel_that_accepts(monkeypatch):
+    """What the runtime registers for ``k3::mla_decode`` (``mla_decode_op``): split-KV for
+    multiples of 16 heads, else the generic kernel, else (a dtype no kernel takes) the
+    reference. The launches are recorded, and answered by the reference."""
+    calls = []
+
+    def recorded(kernel: mk.MLAKernel) -> mk.MLAKernel:
+        def launch(*args):
+            calls.append(kernel.name)
+            return reference(*args)
+
+        return dataclasses.replace(kernel, launch=launch)
+
+    monkeypatch.setattr(mk, "MLA_DECODE_KERNELS", [recorded(k) for k in mk.MLA_DECODE_KERNELS])
+    for H, dtype, want in ((16, torch.bfloat16, "mla_decode_split_kv"), (12, torch.bfloat16, "mla_decode_generic"),
+                           (12, torch.float64, None)):
+        calls.clear()
+        q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 9], block_size=8, dtype=dtype)
+        got = mk.mla_decode_op(q, cache, table, seq_lens, scale, 64)
+        assert calls == ([want] if want else [])
+        check(got, reference(q, cache, table, seq_lens, scale, 64))
 
 
 def test_split_kv_config_head_tiles():

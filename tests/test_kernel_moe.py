@@ -428,8 +428,23 @@ def test_plans_and_dispatch():
         moe._check_plan(moe.MoePlan(False, 32, moe.GemmPlan(16, 128), moe.GemmPlan(16, 128)))
     with pytest.raises(ValueError, match="powers of two"):
         moe._check_plan(moe.MoePlan(True, 16, moe.GemmPlan(24, 128), moe.GemmPlan(16, 128)))
-    moe.register_cuda_kernels()  # registering (twice) needs no GPU
-    moe.register_cuda_kernels()
+
+
+def test_register_gpu_kernels_covers_the_ops_and_is_idempotent():
+    """One entry point registers every runtime kernel for its k3 ops on CUDA (no GPU needed
+    to register); the ops' default implementations stay the torch references elsewhere."""
+    from k3compile.runtime.kernels import register_gpu_kernels
+
+    accelerated = ("rms_norm", "add_rank_block", "add_rank_block_linear", "router_logits", "sigmoid_topk_route",
+                   "moe_experts_mxfp4", "mla_decode", "mla_decode_split_kv", "kda_decode_fused", "dcp_rescale",
+                   "dcp_pack", "dcp_merge")
+    register_gpu_kernels()
+    register_gpu_kernels()  # a second call changes nothing
+    for name in accelerated:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"k3::{name}", "CUDA"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"k3::{name}", "CPU"), name
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        register_gpu_kernels("cpu")  # the Triton interpreter's registration is not built yet
 
 
 def test_bad_arguments_are_named():

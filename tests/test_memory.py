@@ -65,8 +65,8 @@ def test_plan_cli_prints_the_table_and_rejects_bad_options(tmp_path):
     assert "routed experts held as dense bfloat16" in ok.stdout  # the tiny preset's experts are bf16
     errors = {
         ("--tp", "3"): "--tp 3:",
-        ("--dcp", "3"): "--dcp 3: must be a divisor of --tp 2",
-        ("--dcp-interleave", "0"): "--dcp-interleave must be at least 1",
+        ("--dcp", "3"): "--tp 2 --dcp 3 --dcp-interleave 1: dcp must be a divisor of tp=2, got 3",
+        ("--dcp-interleave", "0"): "--dcp-interleave 0: dcp_interleave must be >= 1, got 0",
         ("--context", "0"): "--context must be at least 1",
         ("--target", "tpu"): "--target: unknown target 'tpu'",
     }

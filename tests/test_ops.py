@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import k3compile  # noqa: F401  (registers torch.ops.k3)
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.checkpoint.mxfp4 import pack_mxfp4
 
 k3 = torch.ops.k3
@@ -230,3 +232,11 @@ def test_rms_norm():
 )
 def test_opcheck(op, args):
     torch.library.opcheck(getattr(k3, op), args())
+
+
+def test_op_library_does_not_import_the_runtime():
+    """Op semantics never import the runtime's kernels: the runtime registers them for the
+    ops (``k3compile.runtime.kernels.register_gpu_kernels``)."""
+    code = ("import sys, k3compile.ops; bad = sorted(m for m in sys.modules if m.startswith('k3compile.runtime')); "
+            "assert not bad, bad; assert 'triton' not in sys.modules, 'triton imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-import k3compile  # noqa: F401  (registers torch.ops.k3)
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile import runtime
 from k3compile.artifact import load_artifact
 from k3compile.capture import capture

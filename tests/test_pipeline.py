@@ -161,3 +161,141 @@ def test_validation_runs_across_ranks_at_tp2(monkeypatch):
                                                                                "sink_copies"),
                                      validate=True),
                      validator=validator)
+
+
+# ---------------------------------------------------------------------------
+# The registry: passes declare themselves, the pipeline selects and orders from that
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry():
+    """The pass registry, restored after the test."""
+    from k3compile.pipeline import PASSES, registered_passes
+
+    saved = dict(registered_passes())
+    yield PASSES
+    PASSES.clear()
+    PASSES.update(saved)
+
+
+def _declared(name: str, **declarations) -> type[GraphPass]:
+    """A do-nothing pass class with the given declarations (not yet registered)."""
+
+    def run(self, gm, ctx):
+        return PassResult(changed=False)
+
+    return type(name.title().replace("_", ""), (GraphPass,), {"name": name, "run": run, **declarations})
+
+
+def test_default_pipelines_and_order_come_from_the_declarations():
+    from k3compile.passes import ALL_PASSES
+    from k3compile.pipeline import default_pass_names, pipeline_order
+
+    common = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies")
+    assert default_pass_names(get_target("cpu")) == common
+    for gpu in ("h200", "mi355x", "mi300x"):
+        assert default_pass_names(get_target(gpu)) == (*common, "fuse_kda_decode", "pad_attention_heads")
+    # The registration order agrees with every after/before relation.
+    assert pipeline_order() == list(ALL_PASSES)
+    assert pipeline_order(["pad_attention_heads", "split_mla_context"]) == ["split_mla_context", "pad_attention_heads"]
+
+
+def test_selection_follows_a_new_passes_declarations(registry):
+    from k3compile.pipeline import register_pass
+
+    register_pass(_declared("late", after=("sink_copies",), before=("fuse_kda_decode",)))  # opt-in only
+    register_pass(_declared("early", default_on=frozenset({"cpu"}), before=("remove_noops",)))
+    needs_tp2 = classmethod(lambda cls, plan: f"tp={plan.tp}" if plan.tp == 2 else None)
+    register_pass(_declared("for_tp2", required_by=needs_tp2))
+    cpu, gpu = get_target("cpu"), get_target("h200")
+    names = lambda passes: [p.name for p in passes]  # noqa: E731
+    assert names(resolve_passes(cpu, PipelineOptions())) == [
+        "early", "remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies"]
+    assert "early" not in names(resolve_passes(gpu, PipelineOptions(target="h200")))
+    assert names(resolve_passes(gpu, PipelineOptions(enable=("late",)))) == [
+        "remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies", "late", "fuse_kda_decode",
+        "pad_attention_heads"]
+    # Without a relation a pass keeps its registration place: here the last.
+    register_pass(_declared("unrelated"))
+    assert names(resolve_passes(cpu, PipelineOptions(enable=("unrelated",))))[-1] == "unrelated"
+    assert "for_tp2" in names(resolve_passes(cpu, PipelineOptions(), ParallelPlan(tp=2)))
+    assert "for_tp2" not in names(resolve_passes(cpu, PipelineOptions(), ParallelPlan(tp=1)))
+    with pytest.raises(ValueError, match="tp=2 needs pass for_tp2; it cannot be disabled"):
+        resolve_passes(cpu, PipelineOptions(disable=("for_tp2",)), ParallelPlan(tp=2))
+
+
+def test_order_cycles_and_bad_declarations_fail(registry):
+    from dataclasses import dataclass
+
+    from k3compile.pipeline import pipeline_order, register_pass
+
+    register_pass(_declared("first", after=("second",)))
+    register_pass(_declared("second", after=("first",)))
+    with pytest.raises(ValueError, match="form a cycle"):
+        pipeline_order()
+    registry.pop("first"), registry.pop("second")
+    register_pass(_declared("typo", after=("remove_noop",)))
+    with pytest.raises(ValueError, match="declares after='remove_noop', which is not a registered pass"):
+        pipeline_order()
+    registry.pop("typo")
+    with pytest.raises(ValueError, match="default_on has \\['tpu'\\]"):
+        register_pass(_declared("tpu_only", default_on=frozenset({"tpu"})))
+    with pytest.raises(ValueError, match="already registered"):
+        register_pass(_declared("remove_noops"))
+
+    class NotADataclass:
+        pass
+
+    with pytest.raises(TypeError, match="Config must be a dataclass"):
+        register_pass(_declared("odd", Config=NotADataclass))
+
+    @dataclass(frozen=True)
+    class Fine:
+        pass
+
+    register_pass(_declared("fine", Config=Fine))
+
+
+def test_pass_configs_by_name_with_checked_choices():
+    from k3compile.compiler import CompileOptions
+    from k3compile.pipeline import config_choices, pass_config
+
+    assert config_choices("split_mla_context", "merge") == ("reduce-scatter", "all-to-all")
+    assert pass_config("split_mla_context").merge == "all-to-all"
+    assert pass_config("split_mla_context", {"merge": "reduce-scatter"}).merge == "reduce-scatter"
+    with pytest.raises(ValueError, match="split_mla_context: merge must be one of reduce-scatter, all-to-all, got 'x'"):
+        pass_config("split_mla_context", {"merge": "x"})
+    with pytest.raises(ValueError, match="pass split_mla_context has no option\\(s\\) merg"):
+        pass_config("split_mla_context", {"merg": "x"})
+    with pytest.raises(ValueError, match="unknown pass 'nope'"):
+        CompileOptions(pass_configs={"nope": {}})
+    with pytest.raises(ValueError, match="merge must be one of"):
+        CompileOptions(pass_configs={"split_mla_context": {"merge": "gather"}})
+    (split,) = resolve_passes(get_target("cpu"), PipelineOptions(
+        enable=("split_mla_context",),
+        disable=("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies"),
+        pass_configs={"split_mla_context": {"merge": "reduce-scatter"}}))
+    assert split.config.merge == "reduce-scatter"
+    with pytest.raises(ValueError, match="config_choices|fixed choices"):
+        config_choices("remove_noops", "anything")
+
+
+def test_the_pipeline_provides_what_a_pass_needs(captured, registry):
+    """A pass that declares ``needs={"placements"}`` finds them on every node, also on a
+    graph captured without them."""
+    from k3compile.pipeline import register_pass
+
+    seen = []
+
+    def run(self, gm, ctx):
+        seen.append(all("placement" in n.meta for n in gm.graph.nodes))
+        return PassResult(changed=False)
+
+    register_pass(_declared("reads_placements", needs=frozenset({"placements"}), run=run))
+    program = captured.programs["decode"]
+    assert not any("placement" in n.meta for n in program.graph.nodes)
+    run_pipeline({"decode": program}, captured.config, captured.plan, captured.specs,
+                 PipelineOptions(enable=("reads_placements",), disable=("remove_noops", "mxfp4_experts",
+                                                                      "dedup_replicated_linear", "sink_copies")))
+    assert seen == [True]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*, which this module calls)
 from k3compile.batch import Batch, LayerCache
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
@@ -136,3 +137,11 @@ def check_divisible(cfg: K3Config, tp: int) -> None:
     problem = expert_split_problem(cfg, tp)
     if problem is not None:
         raise ValueError(problem)
+
+
+def count_parameters(cfg: K3Config) -> int:
+    """Parameters of the full (TP1) model, counted on the ``meta`` device: no memory is used,
+    so even the 2.8T-parameter K3 takes a few seconds."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    return sum(p.numel() for p in model.parameters())

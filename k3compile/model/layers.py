@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*, which this module calls)
 from k3compile.distributed import TPGroup
 from k3compile.model.gemm import dispatch_linear
 from k3compile.sharding import (

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*, which this module calls)
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, weight_spec

@@ -30,8 +30,4 @@ def _(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     return torch.empty_like(gate)
 
 
-# Placement (k3compile.placement): pointwise in gate and up (column-parallel shards stay
-# sharded); about 9 FLOPs per element (two tanh, a sigmoid, scalings and products).
-from k3compile.placement import elementwise, register_op_rules  # noqa: E402
-
-register_op_rules({situ_and_mul: elementwise("gate", "up", flops_per_element=9)})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

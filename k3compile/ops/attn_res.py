@@ -27,14 +27,4 @@ def _(partial: Tensor, blocks: list[Tensor], proj: Tensor, norm: Tensor, eps: fl
     return torch.empty_like(partial)
 
 
-# Placement (k3compile.placement): mixes whole rows (the hidden dim is reduced), so the
-# candidates share one placement that does not split the last dim. Cost per candidate
-# element: square + mean (2), scale (1), score product + sum (2), weighted sum (2).
-from k3compile.placement import Cost, CostCall, register_op_rules, rowwise  # noqa: E402
-
-
-def _attn_res_cost(call: CostCall) -> Cost:
-    return Cost(7 * (call.count("blocks") + 1) * call.numel("partial"))
-
-
-register_op_rules({attn_res_mix: rowwise("partial", "blocks", cost=_attn_res_cost)})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

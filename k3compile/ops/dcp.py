@@ -23,6 +23,9 @@ The collectives between them are plain functional collectives in the graph over 
 group ``k3compile.context_parallel.DCP_GROUP_NAME``: all-gather of queries, then either
 all-gather of LSEs + reduce-scatter of rescaled outputs, or one all-to-all of packed
 (output, LSE) rows (passes/split_mla_context.py, ``merge``).
+
+The implementations here are the torch references; the runtime registers one-launch
+Triton kernels for ``dcp_rescale``, ``dcp_pack`` and ``dcp_merge`` on GPUs.
 """
 
 from __future__ import annotations
@@ -60,15 +63,6 @@ def _(o, lse, lse_gathered, dcp):
     return o.new_empty(H, B, D, dtype=torch.float32)
 
 
-@dcp_rescale.register_kernel("cuda")  # ROCm builds of torch report "cuda" too
-def _(o, lse, lse_gathered, dcp):
-    # One Triton launch instead of the reference's ~8 kernels (imported on first call:
-    # Triton stays out of ``import k3compile``).
-    from k3compile.runtime.kernels.dcp_merge import dcp_rescale as kernel
-
-    return kernel(o, lse, lse_gathered, dcp)
-
-
 @torch.library.custom_op("k3::dcp_pack", mutates_args=())
 def dcp_pack(o: Tensor, lse: Tensor, dcp: int) -> Tensor:
     """o [B, dcp*h, D] and lse [B, dcp*h] of this member (member k's heads at k*h) ->
@@ -100,48 +94,4 @@ def _(received, dtype):
     return received.new_empty(B, h, D1 - 1, dtype=dtype)
 
 
-@dcp_pack.register_kernel("cuda")
-def _(o, lse, dcp):
-    from k3compile.runtime.kernels.dcp_merge import dcp_pack as kernel
-
-    return kernel(o, lse, dcp)
-
-
-@dcp_merge.register_kernel("cuda")
-def _(received, dtype):
-    from k3compile.runtime.kernels.dcp_merge import dcp_merge as kernel
-
-    return kernel(received, dtype)
-
-
-# Placement: dcp_local_lengths is a per-rank value; dcp_rescale sees only RankLocal inputs
-# (the attention partials), which the analysis's generic rule places RankLocal.
-from k3compile.placement import Cost, CostCall, rank_local, register_op_rules, split  # noqa: E402
-
-
-def _rescale_cost(call: CostCall) -> Cost:
-    B, H, D = call.shape("o")
-    return Cost(B * H * (D + 2 * int(call.arg("dcp")) + 2))
-
-
-def _pack_cost(call: CostCall) -> Cost:
-    B, H, D = call.shape("o")
-    return Cost(B * H * (D + 1))
-
-
-def _merge_cost(call: CostCall) -> Cost:
-    dcp, B, h, D1 = call.shape("received")
-    return Cost(dcp * B * h * (2 * D1 + 2))
-
-
-register_op_rules({
-    dcp_local_lengths: rank_local(),
-    # RankLocal partials in (the generic rule); heads split per member either way.
-    dcp_pack: split({"o": 1, "lse": 1}, out=2, what="heads", cost=_pack_cost),
-    # Its input, the DCP all-to-all's output, holds this rank's own heads (dim 2): the TP
-    # split of the heads, so the merged output is the attention's usual Shard(1).
-    dcp_merge: split({"received": 2}, out=1, what="heads", cost=_merge_cost),
-    # Only RankLocal inputs reach it in a valid graph; with all Replicate it would be a
-    # merge of one member (dcp=1), still elementwise per head.
-    dcp_rescale: split({"o": 1, "lse": 1, "lse_gathered": 1}, out=0, what="heads", cost=_rescale_cost),
-})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

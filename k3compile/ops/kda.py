@@ -348,38 +348,4 @@ def _(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x.new_empty(x.shape)
 
 
-# --------------------------------------------------------------------------- placement
-# (k3compile.placement) Everything here is per head (or per channel of a head): under TP
-# the heads are split, so activations are Shard(1) of [T, C] / [T, H, ...], the conv and
-# gate weights Shard(0), and the caches are rank-local state split the same way
-# (conv_state [S, C, K-1] and state [S, H, D, Dv]: Shard(1)).
-from k3compile.placement import Cost, CostCall, register_op_rules, split  # noqa: E402
-
-
-def _short_conv_cost(call: CostCall) -> Cost:
-    """2*K multiply-adds and a SiLU (4) per element; reads and writes K-1 states per channel."""
-    K = call.size("weight", 1)
-    state = 2 * call.numel("slots") * call.size("x", 1) * (K - 1) * call.itemsize("conv_state")
-    return Cost((2 * K + 4) * call.numel("x"), call.io_bytes() + state)
-
-
-def _kda_cost(call: CostCall) -> Cost:
-    """Recurrent form per token and head: decay (D*Dv), S^T k (2*D*Dv), the rank-1 update
-    (2*D*Dv), S^T q (2*D*Dv), and the L2 norms (6*D). Prefill is counted the same way
-    (the chunked form's intra-chunk work is not added). State: read + write per sequence."""
-    T, H, D = call.shape("q")
-    Dv = call.size("v", -1)
-    state = 2 * call.numel("slots") * H * D * Dv * call.itemsize("state")
-    return Cost(T * H * (7 * D * Dv + 6 * D), call.io_bytes() + state)
-
-
-_HEADS = {"q": 1, "k": 1, "v": 1, "g": 1, "beta": 1, "state": 1}
-_CHANNELS = {"x": 1, "weight": 0, "conv_state": 1}
-register_op_rules({
-    short_conv_prefill: split(_CHANNELS, out=1, what="channels", caches=("conv_state",), cost=_short_conv_cost),
-    short_conv_decode: split(_CHANNELS, out=1, what="channels", caches=("conv_state",), cost=_short_conv_cost),
-    kda_gate: split({"a": 1, "A_log": 0, "dt_bias": 0}, out=1, what="heads", flops_per_element=5),
-    kda_prefill: split(_HEADS, out=1, what="heads", caches=("state",), cost=_kda_cost),
-    kda_decode: split(_HEADS, out=1, what="heads", caches=("state",), cost=_kda_cost),
-    gated_rms_norm: split({"x": 1, "gate": 1}, out=1, what="heads", flops_per_element=6),
-})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

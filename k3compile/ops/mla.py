@@ -19,9 +19,9 @@ rotary embedding: NoPE). Sequence i's position p lives in block
                          results over disjoint positions can be merged exactly.
 ``k3::mla_decode_split_kv``  ``mla_decode`` with the contract of the fast split-KV kernel:
                          the head count is a multiple of 16. The graph names the kernel it
-                         needs; on CUDA/ROCm it runs the Triton split-KV kernel
-                         (``k3compile.runtime.kernels.mla_decode``), elsewhere the
-                         reference. Only the ``pad_attention_heads`` pass emits it.
+                         needs; its default implementation is the reference, and the
+                         runtime registers the Triton split-KV kernel for it on GPUs.
+                         Only the ``pad_attention_heads`` pass emits it.
 ``k3::pad_heads`` / ``k3::narrow_heads``  zero heads appended to dim 1 of this rank's
                          block / the block's first heads (a copy). They exist as ops, not
                          ``aten.constant_pad_nd`` / ``aten.slice``, because they act on each
@@ -174,22 +174,9 @@ def mla_decode(
 
 mla_decode.register_fake(_mla_decode_fake)
 
-
-@mla_decode.register_kernel("cuda")  # ROCm builds of torch report "cuda" too
-def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
-    """What an engine dispatches: the split-KV kernel when it takes the head count (e.g.
-    96 gathered heads under DCP8), else the generic kernel (one program per head), else
-    (a dtype or width no kernel takes) the reference."""
-    from k3compile.runtime.kernels import mla_decode as kernels
-
-    for kernel in (kernels.SPLIT_KV, kernels.GENERIC):
-        if kernel.accepts(q.shape[1], q.dtype, q.shape[2], value_dim):
-            return kernel.launch(q, kv_cache, block_table, seq_lens, scale, value_dim)
-    return mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
-
-#: The split-KV kernel's head tile (``HEAD_TILE`` of runtime/kernels/mla_decode.py, which
-#: imports Triton: not imported here so that ``import k3compile`` stays light; a test
-#: checks the two agree).
+#: The head multiple ``k3::mla_decode_split_kv`` requires: the split-KV kernel's smallest
+#: head tile. Defined here, with the op's contract; the runtime's kernel module reads it
+#: (its ``HEAD_TILE``), the op library never imports the runtime.
 SPLIT_KV_HEAD_MULTIPLE = 16
 
 
@@ -206,7 +193,7 @@ def mla_decode_split_kv(
     q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, value_dim: int
 ) -> tuple[Tensor, Tensor]:
     """``mla_decode`` for head counts that are multiples of 16 (the fast kernel's tile).
-    The reference on CPU; the Triton split-KV kernel on CUDA/ROCm (registered below)."""
+    The reference here; the runtime registers the Triton split-KV kernel for GPUs."""
     _check_split_kv_heads(q)
     return mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
 
@@ -215,14 +202,6 @@ def mla_decode_split_kv(
 def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
     _check_split_kv_heads(q)
     return _mla_decode_fake(q, kv_cache, block_table, seq_lens, scale, value_dim)
-
-
-@mla_decode_split_kv.register_kernel("cuda")  # ROCm builds of torch report "cuda" too
-def _(q, kv_cache, block_table, seq_lens, scale, value_dim):
-    # Imported on first call: Triton stays out of ``import k3compile``.
-    from k3compile.runtime.kernels.mla_decode import mla_decode_split_kv as split_kv_kernel
-
-    return split_kv_kernel(q, kv_cache, block_table, seq_lens, scale, value_dim)
 
 
 @torch.library.custom_op("k3::pad_heads", mutates_args=())
@@ -254,71 +233,4 @@ def _(x: Tensor, heads: int) -> Tensor:
     return x.new_empty(x.shape[0], heads, *x.shape[2:])
 
 
-# Placement (k3compile.placement). Heads are split across TP ranks (q, and kv_b_proj by
-# whole heads); the latent cache is replicated (every rank caches the full latent of
-# every token: q_a/kv_a are replicated), so the cache write is replicated work. In the
-# context-parallel layout the cache, block table and slot mapping are each rank's own
-# (``context_split``: RankLocal), see k3compile/context_parallel.py. Costs count the context as the block table's width x block size (an
-# upper bound on each sequence's cached length).
-from k3compile.placement import Cost, CostCall, register_op_rules, replicated, split  # noqa: E402
-
-
-def _mla_cache_write_cost(call: CostCall) -> Cost:
-    T, W = call.shape("kv")
-    written = T * W * call.itemsize("kv_cache")
-    return Cost(0, call.nbytes("kv") + call.nbytes("slot_mapping") + written)
-
-
-def _mla_prefill_cost(call: CostCall) -> Cost:
-    """Per sequence: decompress k_nope and v for the context (2*ctx*L*H*(Dn+Dv)); per new
-    token and head: scores and values (2*ctx*(Dqk+Dv)) and the softmax (5*ctx)."""
-    T, H, Dqk = call.shape("q")
-    L = call.size("kv_b_weight", 1)
-    W = call.size("kv_cache", 2)
-    Dn = Dqk - (W - L)
-    Dv = call.size("kv_b_weight", 0) // H - Dn
-    N = call.numel("seq_lens")
-    ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
-    flops = 2 * N * ctx * L * H * (Dn + Dv) + T * H * ctx * (2 * (Dqk + Dv) + 5)
-    return Cost(flops, call.io_bytes() + N * ctx * W * call.itemsize("kv_cache"))
-
-
-def _mla_prefill_new_tokens_cost(call: CostCall) -> Cost:
-    """As ``mla_prefill`` with each sequence's context its own new tokens (bounded by T)."""
-    T, H, Dqk = call.shape("q")
-    L = call.size("kv_b_weight", 1)
-    W = call.size("kv", 1)
-    Dn = Dqk - (W - L)
-    Dv = call.size("kv_b_weight", 0) // H - Dn
-    flops = 2 * T * L * H * (Dn + Dv) + T * H * T * (2 * (Dqk + Dv) + 5)
-    return Cost(flops, call.io_bytes())
-
-
-def _mla_decode_cost(call: CostCall) -> Cost:
-    """Per sequence and head: W-wide scores and value_dim-wide values over the context,
-    and the softmax: ctx*(2*W + 2*value_dim + 5)."""
-    B, H, W = call.shape("q")
-    ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
-    flops = B * H * ctx * (2 * W + 2 * int(call.arg("value_dim")) + 5)
-    return Cost(flops, call.io_bytes() + B * ctx * W * call.itemsize("kv_cache"))
-
-
-_MLA_DECODE_RULE = split(
-    {"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost,
-    context_split=("kv_cache", "block_table"),
-)
-# Per rank block of the heads: a head-sharded input gives a head-sharded output whose
-# logical tensor is the ranks' padded (narrowed) blocks side by side. Pure copies.
-_HEAD_BLOCK_RULE = split({"x": 1}, out=1, what="heads", flops_per_element=0.0)
-
-register_op_rules({
-    mla_cache_write: replicated(
-        caches=("kv_cache",), cost=_mla_cache_write_cost, context_split=("kv_cache", "slot_mapping")
-    ),
-    mla_prefill: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", caches=("kv_cache",), cost=_mla_prefill_cost),
-    mla_prefill_new_tokens: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", cost=_mla_prefill_new_tokens_cost),
-    mla_decode: _MLA_DECODE_RULE,
-    mla_decode_split_kv: _MLA_DECODE_RULE,
-    pad_heads: _HEAD_BLOCK_RULE,
-    narrow_heads: _HEAD_BLOCK_RULE,
-})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

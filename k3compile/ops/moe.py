@@ -128,7 +128,7 @@ def moe_experts_mxfp4(
     if z.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "k3::moe_experts_mxfp4: the torch reference picks experts on the host and cannot run inside a "
-            "CUDA graph; register the GPU kernels first (k3compile.runtime.kernels.moe.register_cuda_kernels)"
+            "CUDA graph; register the GPU kernels first (k3compile.runtime.kernels.register_gpu_kernels)"
         )
     picked, local_ids = torch.unique(ids, return_inverse=True)  # dequantise only what the step uses
 
@@ -144,37 +144,4 @@ def _(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_s
     return torch.empty_like(z)
 
 
-# Placement (k3compile.placement). The router's logits contract whole rows of x with a
-# replicated gate (2 * E FLOPs per element of x); routing works on whole rows of expert
-# scores (4 FLOPs per logit: sigmoid, bias add, top-k, weights). The experts are split on their
-# intermediate dim (w1/w3 [E, I, D] on I, w2 [E, D, I] on I, and the packed codes and
-# scales of each along the same dim): each rank's SiTU-MLPs give a partial sum of the down
-# projection, hence Partial.
-from k3compile.placement import Cost, CostCall, register_op_rules, rowwise, split  # noqa: E402
-from k3compile.sharding import Partial  # noqa: E402
-
-
-def _experts_cost(call: CostCall, w1: str, weight_args: tuple[str, ...]) -> Cost:
-    """2*3*T*top_k*I*D (three GEMVs per routed token; I = this rank's intermediate);
-    bytes: activations plus the weights of the experts touched (at most T*top_k), in the
-    format the op reads them."""
-    T, _ = call.shape("z")
-    top_k = call.size("ids", -1)
-    E, I = call.size(w1, 0), call.size(w1, 1)
-    D = call.size("z", 1)
-    per_expert = sum(call.nbytes(a) for a in weight_args) // E
-    touched = min(E, T * top_k) * per_expert
-    act = call.nbytes("z") + call.nbytes("weights") + call.nbytes("ids") + call.out_bytes()
-    return Cost(2 * 3 * T * top_k * I * D, act + touched)
-
-
-_PACKED = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
-register_op_rules({
-    router_logits: rowwise("x", cost=lambda call: Cost(2 * call.numel("x") * call.size("weight", 0), call.io_bytes())),
-    sigmoid_topk_route: rowwise("logits", flops_per_element=4),
-    moe_experts: split({"w1": 1, "w3": 1, "w2": 2}, out=Partial(), what="expert intermediate",
-                       cost=lambda call: _experts_cost(call, "w1", ("w1", "w3", "w2"))),
-    moe_experts_mxfp4: split({"w1_packed": 1, "w1_scale": 1, "w3_packed": 1, "w3_scale": 1, "w2_packed": 2,
-                              "w2_scale": 2}, out=Partial(), what="expert intermediate",
-                             cost=lambda call: _experts_cost(call, "w1_packed", _PACKED)),
-})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

@@ -22,7 +22,4 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x)
 
 
-# Placement (k3compile.placement): normalises each row over the last dim; 4 FLOPs per element.
-from k3compile.placement import register_op_rules, rowwise  # noqa: E402
-
-register_op_rules({rms_norm: rowwise("x", flops_per_element=4)})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

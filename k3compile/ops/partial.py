@@ -49,44 +49,4 @@ def _(acc: Tensor, x: Tensor, weight: Tensor, start: Tensor) -> Tensor:
     return torch.empty_like(acc)
 
 
-# Placement (k3compile.placement): P + S(dim) at the rank's block -> P; one add per element
-# of the block.
-from k3compile.placement import (  # noqa: E402
-    Cost,
-    CostCall,
-    OpRule,
-    PlacementError,
-    register_op_rules,
-    shard_into_partial,
-)
-from k3compile.sharding import Partial, Replicate, Shard  # noqa: E402
-
-
-def _add_rank_block_linear_rule() -> OpRule:
-    """``acc`` P + ``x`` R @ ``weight`` S(0) (a row block of a replicated weight, so the
-    product is S(last) and this is ``shard_into_partial`` of the product) -> P; all R -> R.
-    Cost: the rows GEMV, 2*T*K*n."""
-    R = Replicate()
-    expected = {"acc": Partial(), "x": R, "weight": Shard(0), "start": R}
-
-    def propagate(node, pls):
-        if all(p == R for p in pls.values()):
-            return R
-        if any(pls.get(k) != v for k, v in expected.items()):
-            got = ", ".join(f"{k}={p}" for k, p in pls.items())
-            raise PlacementError(
-                f"node {node.name!r} (k3.add_rank_block_linear): expected acc=P, x=R, weight=S(0), start=R "
-                f"(or all R); input placements: {got}")
-        return Partial()
-
-    def cost(call: CostCall) -> Cost:
-        return Cost(2 * call.numel("x") * call.size("weight", 0))
-
-    return OpRule("shard_into_partial", propagate, cost=cost, primary="x",
-                  description="acc P + (x R @ weight S(0))^T at the rank's block -> P")
-
-
-register_op_rules({
-    add_rank_block: shard_into_partial("acc", "block", "dim"),
-    add_rank_block_linear: _add_rank_block_linear_rule(),
-})
+# Placement rule and cost: k3compile/placement/k3_rules.py.

@@ -12,6 +12,8 @@ The all-to-all merge: ``k3::dcp_pack`` copies each (sequence, head) row of the p
 output with its LSE into the send buffer, member-major; ``k3::dcp_merge`` reads the
 ``dcp`` rows of one (sequence, own head) from the receive buffer, weights them by their
 LSEs and writes the merged row in the model dtype. One program per (sequence, head).
+
+:func:`register_kernels` makes the three launchers the ops' implementations on a device type.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from k3compile.ops import dcp as dcp_ops
 
 
 @triton.jit
@@ -118,3 +122,12 @@ def dcp_merge(received: Tensor, dtype: torch.dtype) -> Tensor:
         _dcp_merge_kernel[(B, h)](received, out, B, h, D1 - 1, DCP=dcp, BLOCK_D=triton.next_power_of_2(D1 - 1),
                                   num_warps=4)
     return out
+
+
+def register_kernels(device_type: str) -> None:
+    """Make :func:`dcp_rescale`, :func:`dcp_pack` and :func:`dcp_merge` the ``device_type``
+    implementations of the k3 ops of the same names, one launch each instead of the
+    references' several kernels (registering again replaces the same functions)."""
+    dcp_ops.dcp_rescale.register_kernel(device_type)(dcp_rescale)
+    dcp_ops.dcp_pack.register_kernel(device_type)(dcp_pack)
+    dcp_ops.dcp_merge.register_kernel(device_type)(dcp_merge)

@@ -110,7 +110,11 @@ as captured graphs keep their addresses.
 
 On CPU the launcher runs only under the Triton interpreter: ``TRITON_INTERPRET=1`` set before
 triton is first imported in the process (triton.language's own jit functions, ``tl.sum`` and
-``tl.sigmoid``, are built then). The runtime uses the torch reference on CPU.
+``tl.sigmoid``, are built then). The runtime uses the torch reference on CPU
+(``k3compile.ops.kda_fused.kda_decode_chain_reference``, the op's default implementation).
+
+:func:`register_kernels` makes :func:`kda_decode_fused_op` (argument preparation, then this
+launcher) the implementation of ``k3::kda_decode_fused`` on a device type.
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-import k3compile.ops  # noqa: F401  (registers torch.ops.k3.* for the reference chain)
+from k3compile.ops import kda_fused as fused_op
 from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.counters import ArrivalCounters
@@ -138,12 +142,13 @@ __all__ = [
     "bytes_moved",
     "choose_block_v",
     "choose_tiles_per_program",
-    "kda_decode_chain_reference",
     "kda_decode_fused",
+    "kda_decode_fused_op",
     "kda_decode_kernel",
     "launch_config",
     "launch_grid",
     "num_warps_for",
+    "register_kernels",
     "supports_pdl",
 ]
 
@@ -774,7 +779,7 @@ def kda_decode_fused(
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):
         raise ValueError(
             "kda_decode_fused on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before triton is first imported (on CPU the runtime uses kda_decode_chain_reference)"
+            "before triton is first imported (on CPU the runtime uses the op's torch reference)"
         )
     if B == 0:
         return out
@@ -794,48 +799,44 @@ def kda_decode_fused(
     return out
 
 
-def kda_decode_chain_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    conv_weight_q: Tensor,
-    conv_weight_k: Tensor,
-    conv_weight_v: Tensor,
-    conv_state_q: Tensor,
-    conv_state_k: Tensor,
-    conv_state_v: Tensor,
-    a: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    lower_bound: float,
-    beta: Tensor,
-    state: Tensor,
-    slots: Tensor,
-    scale: float,
-    gate: Tensor,
-    norm_weight: Tensor,
-    eps: float,
-    *,
-    out: Tensor | None = None,
-    block_v: int | None = None,
-    tiles_per_program: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    evict_state: bool | None = None,
-    max_registers: int | None = None,
-    pdl: bool = False,
+# --------------------------------------------------------------------------- k3 op
+
+
+def kda_decode_fused_op(
+    q: Tensor, k: Tensor, v: Tensor, conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor,
+    conv_state_q: Tensor, conv_state_k: Tensor, conv_state_v: Tensor, a: Tensor, A_log: Tensor,
+    dt_bias: Tensor, lower_bound: float, beta: Tensor, state: Tensor, slots: Tensor, scale: float,
+    gate: Tensor, norm_weight: Tensor, eps: float,
 ) -> Tensor:
-    """The unfused chain with the repo's k3 ops, in the model's order (``kda_decode_fused``'s
-    contract; the launch choices are accepted and ignored so the two are interchangeable)."""
-    B = q.shape[0]
-    _, H, D, DV = state.shape
-    ops = torch.ops.k3
-    qc = ops.short_conv_decode(q, conv_weight_q, conv_state_q, slots).view(B, H, D)
-    kc = ops.short_conv_decode(k, conv_weight_k, conv_state_k, slots).view(B, H, D)
-    vc = ops.short_conv_decode(v, conv_weight_v, conv_state_v, slots).view(B, H, DV)
-    g = ops.kda_gate(a.view(B, H, D), A_log, dt_bias, lower_bound)
-    o = ops.kda_decode(qc, kc, vc, g, torch.sigmoid(beta.float()), state, slots, scale)
-    y = ops.gated_rms_norm(o, gate.view(B, H, DV), norm_weight, eps)
-    if out is None:
-        return y
-    return out.copy_(y)
+    """``k3::kda_decode_fused`` as one launch: the launcher needs contiguous activations and
+    fp32 conv weights / A_log / dt_bias / norm_weight, so those in another dtype are cast
+    here. On CUDA GPUs of compute capability 9.0 or newer it launches with programmatic
+    dependent launch (H200: 33.0 -> 30.9 us at batch 64, BENCHMARKS.md) unless it had to
+    cast a weight, whose copy the launch just before wrote."""
+
+    def act(t: Tensor) -> Tensor:
+        return t.contiguous()
+
+    def f32(t: Tensor) -> Tensor:
+        return t.float().contiguous()
+
+    weights = (conv_weight_q, conv_weight_k, conv_weight_v, A_log, dt_bias, norm_weight)
+    cast = tuple(f32(w) for w in weights)
+    # Programmatic dependent launch lets the kernel read the states, slots and weights
+    # before the previous kernel has finished, so none of them may come from that kernel.
+    # States are only written by this op, slots are step inputs, weights are parameters;
+    # but a weight cast here was written by the launch just before: then no PDL.
+    pdl = supports_pdl(state.device) and all(c is w for c, w in zip(cast, weights, strict=True))
+    conv_wq, conv_wk, conv_wv, a_log, dt_b, norm_w = cast
+    # Caches are passed as they are: they are updated in place (the launcher checks them).
+    return kda_decode_fused(
+        act(q), act(k), act(v), conv_wq, conv_wk, conv_wv,
+        conv_state_q, conv_state_k, conv_state_v, act(a), a_log, dt_b, lower_bound,
+        act(beta), state, slots, scale, act(gate), norm_w, eps, pdl=pdl,
+    )
+
+
+def register_kernels(device_type: str) -> None:
+    """Make :func:`kda_decode_fused_op` the ``device_type`` implementation of
+    ``k3::kda_decode_fused`` (registering again replaces the same function)."""
+    fused_op.kda_decode_fused.register_kernel(device_type)(kda_decode_fused_op)

@@ -51,7 +51,8 @@ patched; :func:`.aot.compile_many` then compiles in a fresh process.)
 
 Each kernel has a declaration (:class:`MLAKernel`) of what it accepts; the target
 tables and the head-padding pass derive from ``MLA_DECODE_KERNELS`` /
-``MLA_PREFILL_KERNELS``.
+``MLA_PREFILL_KERNELS``. :func:`register_kernels` makes them the implementations of
+``k3::mla_decode`` (:func:`mla_decode_op`) and ``k3::mla_decode_split_kv`` on a device type.
 """
 
 from __future__ import annotations
@@ -68,14 +69,16 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
 
-#: the smallest head tile of the split-KV kernel (its head counts are multiples of it), and
-#: the rows per matrix-unit tile of the prefill kernel: 16 (token, head) rows
-HEAD_TILE = 16
+#: the smallest head tile of the split-KV kernel (its head counts are multiples of it: the
+#: contract of ``k3::mla_decode_split_kv``, defined with the op), and the rows per
+#: matrix-unit tile of the prefill kernel: 16 (token, head) rows
+HEAD_TILE = mla_ops.SPLIT_KV_HEAD_MULTIPLE
 #: what a KV split costs besides its KV tiles, in cache rows (1152 B each at K3's width),
 #: for choose_num_splits: its fp32 partial (16 heads x 512 x 4 B = 32 KiB ~ 28 rows)
 #: written and read back by the combine, the query load, and the latency of the first
@@ -798,3 +801,23 @@ PREFILL = MLAKernel("mla_prefill_absorbed", "prefill", 1, _DTYPES, 576, 512, Fal
 #: fastest first: a caller takes the first kernel that accepts its shape
 MLA_DECODE_KERNELS: list[MLAKernel] = [SPLIT_KV, GENERIC]
 MLA_PREFILL_KERNELS: list[MLAKernel] = [PREFILL]
+
+
+def mla_decode_op(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                  value_dim: int) -> tuple[Tensor, Tensor]:
+    """``k3::mla_decode`` as an engine dispatches it: the first kernel of
+    ``MLA_DECODE_KERNELS`` that takes the shape (split-KV when it takes the head count,
+    e.g. 96 gathered heads under DCP8, else the generic kernel), else (a dtype or width
+    no kernel takes) the op's torch reference."""
+    for kernel in MLA_DECODE_KERNELS:
+        if kernel.accepts(q.shape[1], q.dtype, q.shape[2], value_dim):
+            return kernel.launch(q, kv_cache, block_table, seq_lens, scale, value_dim)
+    return mla_ops.mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
+
+
+def register_kernels(device_type: str) -> None:
+    """Make :func:`mla_decode_op` and :func:`mla_decode_split_kv` the ``device_type``
+    implementations of ``k3::mla_decode`` and ``k3::mla_decode_split_kv`` (registering
+    again replaces the same functions)."""
+    mla_ops.mla_decode.register_kernel(device_type)(mla_decode_op)
+    mla_ops.mla_decode_split_kv.register_kernel(device_type)(mla_decode_split_kv)

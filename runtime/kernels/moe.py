@@ -489,20 +489,18 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     return out
 
 
-def register_cuda_kernels() -> None:
-    """Use these kernels for the MoE's ops on CUDA/ROCm tensors: ``k3::router_logits`` and
-    ``k3::sigmoid_topk_route`` (``routing.py``) and ``k3::moe_experts_mxfp4`` (registering
-    again replaces the same functions)."""
+def register_kernels(device_type: str) -> None:
+    """Use the experts kernel for ``k3::moe_experts_mxfp4`` on ``device_type`` tensors
+    (routing's ops: ``routing.register_kernels``; registering again replaces the same
+    function)."""
     from k3compile.ops import moe
-
-    routing.register_cuda_kernels()
 
     def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                 situ_beta, situ_linear_beta):
         return moe_experts_mxfp4(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                                  situ_beta, situ_linear_beta)
 
-    moe.moe_experts_mxfp4.register_kernel("cuda")(experts)
+    moe.moe_experts_mxfp4.register_kernel(device_type)(experts)
 
 
 # --------------------------------------------------------------------------- AOT

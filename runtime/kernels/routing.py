@@ -89,13 +89,13 @@ def sigmoid_topk_route(logits: Tensor, correction_bias: Tensor, top_k: int, reno
     return weights.view(shape), ids.view(shape)
 
 
-def register_cuda_kernels() -> None:
+def register_kernels(device_type: str) -> None:
     """Use these kernels for ``k3::router_logits`` and ``k3::sigmoid_topk_route`` on
-    CUDA/ROCm tensors (registering again replaces the same functions)."""
+    ``device_type`` tensors (registering again replaces the same functions)."""
     from k3compile.ops import moe
 
-    moe.router_logits.register_kernel("cuda")(router_logits)
-    moe.sigmoid_topk_route.register_kernel("cuda")(sigmoid_topk_route)
+    moe.router_logits.register_kernel(device_type)(router_logits)
+    moe.sigmoid_topk_route.register_kernel(device_type)(sigmoid_topk_route)
 
 
 def aot_requests(E: int = 896, top_k: int = 16) -> list[KernelLaunch]:

@@ -58,9 +58,9 @@ node feeding ``k3.add_rank_block_linear`` (``passes/dedup_replicated_linear.py``
 it (each program recomputing 1/rms of its x rows, 7 KB from L2) needs a new op carrying
 the norm weight and eps, and the pass matching the norm: a graph change, not done here.
 
-:func:`register_cuda_kernels` makes them the CUDA implementations of the k3 ops
-(the runtime calls it when it runs on a GPU; the ops' torch references stay the CPU
-implementations and the numerical truth).
+:func:`register_kernels` makes them the GPU implementations of the k3 ops
+(``k3compile.runtime.kernels.register_gpu_kernels`` calls it when the runtime runs on a
+GPU; the ops' torch references stay the CPU implementations and the numerical truth).
 """
 
 from __future__ import annotations
@@ -418,12 +418,12 @@ def splitk_aot_signature(
     return signature, dict(plan.constexprs), plan.num_warps
 
 
-def register_cuda_kernels() -> None:
+def register_kernels(device_type: str) -> None:
     """Use these kernels for ``k3::rms_norm``, ``k3::add_rank_block`` and
-    ``k3::add_rank_block_linear`` on CUDA/ROCm tensors (registering again replaces the
-    same functions)."""
+    ``k3::add_rank_block_linear`` on ``device_type`` tensors (registering again replaces
+    the same functions)."""
     from k3compile.ops import norm, partial
 
-    norm.rms_norm.register_kernel("cuda")(rms_norm)
-    partial.add_rank_block.register_kernel("cuda")(add_rank_block)
-    partial.add_rank_block_linear.register_kernel("cuda")(add_rank_block_linear)
+    norm.rms_norm.register_kernel(device_type)(rms_norm)
+    partial.add_rank_block.register_kernel(device_type)(add_rank_block)
+    partial.add_rank_block_linear.register_kernel(device_type)(add_rank_block_linear)

@@ -1,0 +1,353 @@
+"""Commands on compiled artifacts: ``inspect`` (verify it, show how it was made and what
+each pass did) and ``run`` (load it with the runtime and generate tokens)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from k3compile.cli.app import USAGE_ERROR, UserError, app, console, err_console, fail, warn
+from k3compile.cli.options import PromptFileOption, PromptOption, at_least_one, read_prompts
+from k3compile.cli.render import (
+    capture_text,
+    config_label,
+    dtype_name,
+    human_count,
+    layer_kinds_summary,
+    print_pass_details,
+    print_passes,
+    print_tokens,
+)
+from k3compile.config import ConfigError
+
+ArtifactArgument = Annotated[
+    Path,
+    typer.Argument(help="An artifact directory written by 'k3compile optimize'. Example: ./tiny.k3c", show_default=False),
+]
+
+
+def read_info(out: Path, check_checkpoint: Any = "warn") -> Any:
+    """Verify an artifact (:func:`k3compile.artifact.read_artifact_info`); its warnings (a
+    changed or missing checkpoint) go to stderr as one line each."""
+    from k3compile.artifact import read_artifact_info
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = read_artifact_info(out, check_checkpoint=check_checkpoint)
+    for w in caught:
+        warn(str(w.message))
+    return info
+
+
+def _summary_matches(s: Any, pass_name: str | None, phase: str | None) -> bool:
+    if not isinstance(s, dict):
+        return pass_name is None and phase is None
+    return (pass_name is None or s.get("pass") == pass_name) and (phase is None or s.get("phase") == phase)
+
+
+def _layer_nodes(out: Path, phases: list[str], layer: int) -> dict[str, Any]:
+    """Phase -> snapshot of the compiled program's nodes of ``layer``."""
+    from k3compile.artifact import load_artifact
+    from k3compile.records import snapshot
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # already reported by read_info
+        artifact = load_artifact(out, check_checkpoint=False)
+    return {
+        phase: snapshot(artifact.programs[phase].graph_module, artifact.programs[phase]).filter(layer=layer)
+        for phase in phases
+    }
+
+
+def _print_diff_howto(info: Any, selected: list[Any], layer: int | None) -> None:
+    """The manifest stores no graph diffs: show the Python that recompiles and prints one."""
+    first = next((s for s in selected if isinstance(s, dict)), {})
+    example_pass = first.get("pass", "remove_noops")
+    example_phase = first.get("phase", "decode")
+    filt = f".filter(layer={layer})" if layer is not None else ""
+    console.print()
+    console.print(
+        "The manifest stores a summary of each pass, not its graph diff. To see the diff, compile again "
+        "in Python (a notebook shows each record as a side-by-side diff):",
+        soft_wrap=True,
+    )
+    console.print(
+        "  import tempfile\n"
+        "  from k3compile.compiler import CompileOptions, optimize\n"
+        f"  result = optimize({info.model_dir!r}, tempfile.mkdtemp(), CompileOptions(tp={info.tp}, "
+        f"dcp={info.dcp}, dcp_interleave={info.dcp_interleave}, target={info.target!r}, "
+        f"dtype={dtype_name(info.dtype)!r}, block_size={info.block_size}), overwrite=True)\n"
+        f"  rec = next(r for r in result.pipeline.records if r.pass_name == {example_pass!r} "
+        f"and r.phase == {example_phase!r})\n"
+        f"  print(rec{filt}.to_text())   # or display(rec{filt}) in Jupyter",
+        markup=False,
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
+def _artifact_table(out: Path, info: Any) -> Table:
+    """Versions, model, parallelism, target, dtype and capture statistics, one per row."""
+    from k3compile.model import count_parameters
+    from k3compile.targets import TARGETS
+
+    cfg = info.config
+    target = TARGETS.get(info.target)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    table.add_row("format", f"{escape(info.format)} version {info.format_version}")
+    table.add_row("written by", f"k3compile {escape(info.k3compile_version)}, torch {escape(info.torch_version)}")
+    table.add_row(
+        "model",
+        f"{config_label(cfg)}: {human_count(count_parameters(cfg))} parameters, {cfg.num_hidden_layers} layers, "
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+    )
+    table.add_row("layers", layer_kinds_summary(cfg))
+    table.add_row("checkpoint", f"{escape(info.model_dir)} (weights are read from here at load)")
+    run_with = f"torchrun --nproc-per-node {info.tp} -m k3compile run {escape(str(out))}"
+    table.add_row("tp", f"{info.tp}" + (f" (run with: {run_with})" if info.tp > 1 else ""))
+    if info.dcp > 1:
+        table.add_row("dcp", f"{info.dcp} (MLA history split by position, interleave {info.dcp_interleave})")
+    if target is None:
+        where = " (unknown to this k3compile)"
+    elif target.name == target.device == target.arch:
+        where = ""
+    else:
+        where = f" ({target.device}, {target.arch})"
+    table.add_row("target", escape(info.target) + where)
+    table.add_row("dtype", dtype_name(info.dtype))
+    table.add_row("block size", f"{info.block_size} tokens per MLA cache block")
+    table.add_row("phases", ", ".join(info.phases))
+    table.add_row("capture", escape(capture_text(info.capture_stats)))
+    return table
+
+
+@app.command("inspect")
+def inspect_command(
+    out: ArtifactArgument,
+    pass_name: Annotated[
+        Optional[str],
+        typer.Option(
+            "--pass",
+            help="Show only this pass, with its details (all stats, op count changes, skipped candidates). "
+            "Example: --pass remove_noops",
+            show_default=False,
+        ),
+    ] = None,
+    phase: Annotated[
+        Optional[str],
+        typer.Option(help="Show only this phase's graph: decode or prefill. Example: --phase decode", show_default=False),
+    ] = None,
+    diff: Annotated[
+        bool,
+        typer.Option(
+            "--diff",
+            help="Print what the manifest stores about each pass's changes (details per pass and phase; "
+            "graph diffs are not stored: the output says how to get them). Example: --diff",
+        ),
+    ] = False,
+    layer: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Also show layer N of the compiled graphs (its op counts; skipped candidates in it). Example: --layer 0",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Verify an artifact and show how it was compiled and what each pass did.
+
+    Checks every file's size and sha256 against the manifest (a modified artifact is refused), then prints the versions, model, parallelism, target, dtype, capture statistics and a table of the passes (one row per pass and phase, with what each bought). A changed or missing source checkpoint is a warning here (and an error for 'k3compile run').
+
+    Example: k3compile inspect ./tiny.k3c --pass remove_noops --phase decode --diff
+    """
+    from k3compile.artifact import ArtifactError
+
+    try:
+        info = read_info(out)
+        phases = list(info.phases)
+        if phase is not None:
+            if phase not in info.phases:
+                raise UserError(f"--phase: unknown phase {phase!r}; this artifact has {', '.join(info.phases)}")
+            phases = [phase]
+        if pass_name is not None:
+            ran = list(dict.fromkeys(str(s.get("pass")) for s in info.passes if isinstance(s, dict)))
+            if pass_name not in ran:
+                raise UserError(f"--pass: pass {pass_name!r} did not run for this artifact; "
+                                f"passes that ran: {', '.join(ran) or 'none'}")
+        n_layers = info.config.num_hidden_layers
+        if layer is not None and not 0 <= layer < n_layers:
+            raise UserError(f"--layer: {layer} is outside [0, {n_layers}) (the model's layers)")
+        selected = [s for s in info.passes if _summary_matches(s, pass_name, phase)]
+        layer_snaps = _layer_nodes(out, phases, layer) if layer is not None else None
+    except (UserError, ArtifactError) as e:
+        fail(str(e))
+
+    console.print(f"[bold green]Artifact[/] {escape(str(out))}  (verified: every file matches the manifest)", soft_wrap=True)
+    console.print(_artifact_table(out, info))
+    console.print()
+    scope = " ".join(p for p in (f"pass {pass_name}" if pass_name else "", f"phase {phase}" if phase else "") if p)
+    print_passes(selected, "Passes" + (f" ({scope})" if scope else ""))
+
+    layer_names = None
+    if layer_snaps is not None:
+        console.print()
+        console.print(
+            f"[bold]Layer {layer}[/] ({info.config.layer_kinds[layer].upper()}) in the compiled graphs "
+            "[dim](the pass numbers above are for whole graphs: the manifest does not split them by layer)[/]",
+            soft_wrap=True,
+        )
+        for ph, snap in layer_snaps.items():
+            ops = ", ".join(f"{op.removesuffix('.default')} x{n}" for op, n in snap.op_counts.items())
+            console.print(f"  {ph}: {len(snap)} nodes; {escape(ops) or 'no ops'}", soft_wrap=True)
+        layer_names = {line.name for snap in layer_snaps.values() for line in snap}
+
+    if diff or pass_name is not None:
+        console.print()
+        for s in selected:
+            if isinstance(s, dict):
+                print_pass_details(s, layer_names)
+    if diff and not any(isinstance(s, dict) and s.get("diff") for s in selected):
+        _print_diff_howto(info, selected, layer)
+
+
+@app.command("run")
+def run_command(
+    out: ArtifactArgument,
+    prompt: PromptOption = None,
+    prompt_file: PromptFileOption = None,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(help="Tokens to generate for every prompt. Example: --max-new-tokens 4"),
+    ] = 16,
+    temperature: Annotated[
+        float,
+        typer.Option(help="Sampling temperature; 0 is greedy (always the most likely token). Example: --temperature 0.7"),
+    ] = 0.0,
+    top_k: Annotated[
+        int,
+        typer.Option(help="Sample only among the k most likely tokens; 0 keeps all. Example: --top-k 50"),
+    ] = 0,
+    top_p: Annotated[
+        float,
+        typer.Option(help="Sample only among the most likely tokens that hold this much probability; 1 keeps all. Example: --top-p 0.9"),
+    ] = 1.0,
+    seed: Annotated[
+        int,
+        typer.Option(help="Random seed of sampling: the same seed gives the same tokens. Example: --seed 7"),
+    ] = 0,
+    max_context: Annotated[
+        int,
+        typer.Option(help="Cache capacity per sequence in tokens (prompt + new tokens). Example: --max-context 4096"),
+    ] = 4096,
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            help="cpu or cuda (default: cuda when a GPU is visible, else cpu; under torchrun each rank takes its "
+            "local GPU). Example: --device cpu",
+            show_default=False,
+        ),
+    ] = None,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="On a GPU, replay decode steps as CUDA/HIP graphs. Example: --no-cuda-graphs",
+        ),
+    ] = True,
+) -> None:
+    """Load a compiled artifact with the runtime and generate tokens.
+
+    Reads this rank's weights from the checkpoint the artifact was compiled from, prefills all prompts in one step, then decodes them together, one token per step. Prompts are token ids (there is no tokenizer). Prints each prompt's new tokens and the timing: load, prefill, and decode per token (the first steps include one-time warm-up).
+
+    An artifact compiled with --tp N runs on N processes, started by torchrun: torchrun --nproc-per-node N -m k3compile run OUT (only rank 0 prints).
+
+    Example: k3compile run ./tiny.k3c --prompt "1 2 3" --prompt "7 8" --max-new-tokens 4
+    """
+    import torch.distributed as dist
+
+    from k3compile.artifact import ArtifactError
+    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load
+    from k3compile.runtime.engine import resolve_device
+
+    distributed = os.environ.get("WORLD_SIZE") is not None
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    try:
+        try:
+            world = int(os.environ["WORLD_SIZE"]) if distributed else 1
+        except ValueError:
+            raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+        at_least_one(max_new_tokens=max_new_tokens, max_context=max_context)
+        try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        except ValueError as e:
+            raise UserError(f"--{str(e).replace('_', '-')}") from None
+        if device is not None:
+            try:
+                resolve_device(device)
+            except ValueError as e:
+                raise UserError(f"--device: {e}") from None
+        info = read_info(out, check_checkpoint=False)
+        run_with = f"'torchrun --nproc-per-node {info.tp} -m k3compile run {out}'"
+        if not distributed and info.tp > 1:
+            raise UserError(f"{out} was compiled for tp={info.tp}: start it on {info.tp} processes with {run_with}")
+        if distributed and world != info.tp:
+            raise UserError(f"{out} was compiled for tp={info.tp} but torchrun started {world} process(es); use {run_with}")
+        prompts = read_prompts(prompt, prompt_file, info.config.vocab_size)
+        for i, p in enumerate(prompts):
+            need = len(p) + max_new_tokens - 1
+            if need > max_context:
+                raise UserError(
+                    f"prompt {i} has {len(p)} tokens: with --max-new-tokens {max_new_tokens} it needs a context of "
+                    f"{need} tokens, more than --max-context {max_context}"
+                )
+        options = RuntimeOptions(
+            max_sequences=len(prompts), max_context=max_context, device=device,
+            cuda_graphs=None if cuda_graphs else False,
+        )
+
+        start = time.perf_counter()
+        import torch._dynamo  # noqa: F401  (torch's custom ops import it on first call: count it as load time)
+        from rich.progress import Progress
+
+        with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
+            task = bar.add_task("loading weights", total=None)
+            progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+            if distributed:  # rank and world size from torchrun's environment
+                rt = load(out, options=options, on_progress=progress)
+            else:
+                rt = load(out, rank=0, world_size=1, options=options, on_progress=progress)
+        load_s = time.perf_counter() - start
+
+        result = rt.generate_timed(prompts, max_new_tokens, sampling)
+        # CUDA graphs that captured NCCL collectives must go before the process group: on
+        # two H200s destroy_process_group hung with them alive.
+        on_device, with_graphs = rt.device, rt.graphs is not None
+        rt.close()
+    except (UserError, ArtifactError, CheckpointError, ConfigError, RequestError) as e:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if rank == 0:
+            fail(str(e))
+        raise typer.Exit(USAGE_ERROR)
+    if rank == 0:
+        how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
+        cfg = info.config
+        console.print(
+            f"[bold]{escape(str(out))}[/]: {config_label(cfg)}, tp {info.tp}{f', dcp {info.dcp}' if info.dcp > 1 else ''}, "
+            f"{dtype_name(info.dtype)}, target {escape(info.target)}, on {on_device}"
+            + (" with CUDA graphs" if with_graphs else "")
+            + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}",
+            soft_wrap=True,
+        )
+        print_tokens(prompts, result.tokens, load_s, result.prefill_s, result.decode_s)
+    if dist.is_initialized():
+        dist.destroy_process_group()
