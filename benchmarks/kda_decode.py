@@ -55,9 +55,9 @@ import triton
 
 from gpu_timing import copy_bandwidth, graph_time  # benchmarks/ is the script's directory
 from k3compile.ops.kda_fused import kda_decode_chain_reference
-from k3compile.runtime.kernels.kda_decode import (
+from k3compile.runtime.kernels.kda_decode import kda_decode_fused
+from k3compile.runtime.kernels.kda_decode_plans import (
     bytes_moved,
-    kda_decode_fused,
     launch_config,
     supports_pdl,
 )

@@ -43,9 +43,9 @@ from gpu_timing import (  # benchmarks/ is the script's directory
     copy_bandwidth,
     graph_time,
 )
-from k3compile.runtime.kernels.kda_decode import (
+from k3compile.runtime.kernels.kda_decode import kda_decode_fused
+from k3compile.runtime.kernels.kda_decode_plans import (
     bytes_moved,
-    kda_decode_fused,
     launch_config,
 )
 from kda_decode import (

@@ -49,7 +49,9 @@ import torch
 import triton
 from gpu_timing import copy_bandwidth, graph_time
 from k3compile.ops.mla import mla_decode_reference
-from k3compile.runtime.kernels import mla_decode as mk
+from k3compile.runtime.kernels import mla_attention as ak
+from k3compile.runtime.kernels import mla_common as mc
+from k3compile.runtime.kernels import mla_split_kv as sk
 
 LATENT, ROPE = 512, 64
 WIDTH = LATENT + ROPE
@@ -59,7 +61,7 @@ BACKEND = "hip" if torch.version.hip else "cuda"
 
 def padded(heads: int) -> int:
     """The head count the split-KV kernel runs: the next multiple of its head tile (16)."""
-    return -(-heads // mk.HEAD_TILE) * mk.HEAD_TILE
+    return -(-heads // mc.HEAD_TILE) * mc.HEAD_TILE
 
 
 def paged_cache(batch: int, context: int, block_size: int, gen: torch.Generator, copies: int = 1):
@@ -78,10 +80,10 @@ def padded_split_kv(q: torch.Tensor, q_pad: torch.Tensor | None, cache, table, s
     """What the pad-heads pass emits: q into a zeroed [B, 16k, W] buffer, the fast kernel,
     the real heads' outputs sliced back (views: no copy). No buffer: no padding needed."""
     if q_pad is None:
-        return mk.mla_decode_split_kv(q, cache, table, seq_lens, SCALE, LATENT, **kw)
+        return sk.mla_decode_split_kv(q, cache, table, seq_lens, SCALE, LATENT, **kw)
     heads = q.shape[1]
     q_pad[:, :heads].copy_(q)
-    o, lse = mk.mla_decode_split_kv(q_pad, cache, table, seq_lens, SCALE, LATENT, **kw)
+    o, lse = sk.mla_decode_split_kv(q_pad, cache, table, seq_lens, SCALE, LATENT, **kw)
     return o[:, :heads], lse[:, :heads]
 
 
@@ -134,7 +136,7 @@ def check_correctness(case: RaggedCase, heads: int, extra_heads: list[int], gen:
         return lambda q, c, t, s: padded_split_kv(q, q_pad, c, t, s, **kw)
 
     report = {
-        "generic": case.errors(heads, lambda q, c, t, s: mk.mla_decode_generic(q, c, t, s, SCALE, LATENT)),
+        "generic": case.errors(heads, lambda q, c, t, s: ak.mla_decode_generic(q, c, t, s, SCALE, LATENT)),
         "split_kv_padded": case.errors(heads, split_kv(heads)),
         "split_kv_padded_4_splits": case.errors(heads, split_kv(heads, num_splits=4)),
     }
@@ -148,7 +150,7 @@ def check_correctness(case: RaggedCase, heads: int, extra_heads: list[int], gen:
     new = [0, 1, 40, 100, 3, 9]
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     qp = torch.randn(sum(new), heads, WIDTH, generator=gen, device="cuda").bfloat16()
-    o, lse = mk.mla_prefill_absorbed(qp, cache, cu, table, case.seq_lens, SCALE, LATENT)
+    o, lse = ak.mla_prefill_absorbed(qp, cache, cu, table, case.seq_lens, SCALE, LATENT)
     seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new)).cuda()
     pos = torch.cat([torch.arange(n - k, n) for n, k in zip(lens, new, strict=True)]).cuda()
     ref_o, ref_lse = mla_decode_reference(qp.float(), cache.float(), table[seq], (pos + 1).int(), SCALE, LATENT)
@@ -177,12 +179,12 @@ def bench_shape(heads: int, batch: int, context: int, args, gen: torch.Generator
     def per_copy(make: Callable[[torch.Tensor], Callable[[], object]]) -> list[Callable[[], object]]:
         return [make(c) for c in caches]
 
-    row["generic_s"] = graph_time(per_copy(lambda c: lambda: mk.mla_decode_generic(
+    row["generic_s"] = graph_time(per_copy(lambda c: lambda: ak.mla_decode_generic(
         q, c, table, seq_lens, SCALE, LATENT)), args.repeats)
-    config = mk.split_kv_config(BACKEND, padded(heads))
+    config = sk.split_kv_config(BACKEND, padded(heads))
     if args.block_n:
         config = dataclasses.replace(config, block_n=args.block_n)
-    splits = mk.choose_num_splits(batch, padded(heads), table.shape[1] * args.block_size, sms, config)
+    splits = sk.choose_num_splits(batch, padded(heads), table.shape[1] * args.block_size, sms, config)
     row["split_kv_config"] = dataclasses.asdict(config)
     row["split_kv_splits"] = splits
     row["split_kv_s"] = graph_time(per_copy(lambda c: lambda: padded_split_kv(
@@ -223,11 +225,11 @@ def parse_tiles(spec: str) -> list[tuple[int, int, int, bool]]:
     return out
 
 
-def sweep_configs(heads: int, tiles: str = SWEEP_TILES) -> list[mk.SplitKVConfig]:
+def sweep_configs(heads: int, tiles: str = SWEEP_TILES) -> list[sk.SplitKVConfig]:
     """The default launch first, then the KV tile / warps / stages variants at its head
     tile, then the other head tiles (16 / 32 / 64 that fit the head count, each at its
     own default launch)."""
-    default = mk.split_kv_config(BACKEND, heads)
+    default = sk.split_kv_config(BACKEND, heads)
     configs = [default]
     for block_n, warps, stages, tma in parse_tiles(tiles):
         # a 64-head tile needs 8 warps for its [512, 64] fp32 accumulator
@@ -236,21 +238,21 @@ def sweep_configs(heads: int, tiles: str = SWEEP_TILES) -> list[mk.SplitKVConfig
         configs += [c] if c not in configs else []
     for block_h in (16, 32, 64):
         if block_h != default.block_h and block_h <= padded(heads):
-            c = dataclasses.replace(mk.split_kv_config(BACKEND, block_h), block_h=block_h)
+            c = dataclasses.replace(sk.split_kv_config(BACKEND, block_h), block_h=block_h)
             configs += [c] if c not in configs else []
     return configs
 
 
-def sweep_splits(config: mk.SplitKVConfig, is_default: bool, batch: int, heads: int, context: int,
+def sweep_splits(config: sk.SplitKVConfig, is_default: bool, batch: int, heads: int, context: int,
                  sms: int) -> list[int]:
     """Split counts to time for ``config``: the cost model's choice with 1, 2 (and for the
     default launch 4) resident programs per SM; for the default also half and twice its
     own choice and the 'batch x head tiles x splits ~ 2x / 4x SMs' rule."""
     tiles = -(-context // config.block_n)
     per_sm = (1, 2, 4) if is_default else (1, 2)
-    model = [mk.choose_num_splits(batch, heads, context, sms, dataclasses.replace(config, programs_per_sm=p))
+    model = [sk.choose_num_splits(batch, heads, context, sms, dataclasses.replace(config, programs_per_sm=p))
              for p in per_sm]
-    choice = mk.choose_num_splits(batch, heads, context, sms, config)
+    choice = sk.choose_num_splits(batch, heads, context, sms, config)
     extra = []
     if is_default:
         programs = batch * -(-heads // config.block_h)
@@ -262,13 +264,13 @@ def sweep_splits(config: mk.SplitKVConfig, is_default: bool, batch: int, heads: 
     return out
 
 
-def describe(config: mk.SplitKVConfig) -> str:
+def describe(config: sk.SplitKVConfig) -> str:
     return f"h{config.block_h} n{config.block_n} w{config.num_warps} s{config.num_stages}" + (" tma" if config.tma else "")
 
 
 def run_sweep(args, case: RaggedCase, gen: torch.Generator, l2_bytes: int, sms: int, bandwidth: float) -> list[dict]:
     rows = []
-    checked: dict[tuple[int, mk.SplitKVConfig], str] = {}  # (heads, config) -> "ok" / why not
+    checked: dict[tuple[int, sk.SplitKVConfig], str] = {}  # (heads, config) -> "ok" / why not
     for heads in map(int, args.sweep_heads.split(",")):
         for batch in map(int, args.sweep_batches.split(",")):
             for context in map(int, args.sweep_contexts.split(",")):
@@ -282,7 +284,7 @@ def run_sweep(args, case: RaggedCase, gen: torch.Generator, l2_bytes: int, sms: 
                     key = (heads, config)
                     if key not in checked:  # correctness (and the compile) before any timing
                         try:
-                            r = case.errors(heads, lambda q_, c, t, s, config=config: mk.mla_decode_split_kv(
+                            r = case.errors(heads, lambda q_, c, t, s, config=config: sk.mla_decode_split_kv(
                                 q_, c, t, s, SCALE, LATENT, num_splits=7, config=config))
                             checked[key] = "ok" if r["ok"] else f"WRONG {r}"
                         except Exception as e:  # noqa: BLE001  (out of shared memory, a compile error: report, go on)
@@ -290,11 +292,11 @@ def run_sweep(args, case: RaggedCase, gen: torch.Generator, l2_bytes: int, sms: 
                     for splits in sweep_splits(config, i == 0, batch, heads, max_context, sms):
                         row = {"heads": heads, "batch": batch, "context": context, "config": dataclasses.asdict(config),
                                "launch": describe(config), "splits": splits, "default": i == 0,
-                               "default_splits": i == 0 and splits == mk.choose_num_splits(
+                               "default_splits": i == 0 and splits == sk.choose_num_splits(
                                    batch, heads, max_context, sms, config)}
                         if checked[key] == "ok":
                             t = graph_time([lambda c=c, s=splits, cf=config, q=q, t=table, n=seq_lens:
-                                            mk.mla_decode_split_kv(q, c, t, n, SCALE, LATENT, num_splits=s, config=cf)
+                                            sk.mla_decode_split_kv(q, c, t, n, SCALE, LATENT, num_splits=s, config=cf)
                                             for c in caches], args.repeats)
                             row |= {"us": t * 1e6, "GBps": kv_bytes / t / 1e9, "of_copy_bw": kv_bytes / t / bandwidth}
                         else:
@@ -355,8 +357,8 @@ def main() -> None:
     extra_heads = [int(h) for h in args.extra_heads.split(",") if h]
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU")
-    if args.sweep and any(int(h) % mk.HEAD_TILE for h in args.sweep_heads.split(",")):
-        raise SystemExit(f"--sweep-heads must be multiples of {mk.HEAD_TILE} (the kernel's, unpadded)")
+    if args.sweep and any(int(h) % mc.HEAD_TILE for h in args.sweep_heads.split(",")):
+        raise SystemExit(f"--sweep-heads must be multiples of {mc.HEAD_TILE} (the kernel's, unpadded)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
@@ -393,7 +395,7 @@ def main() -> None:
     for r in rows:
         ref = f"{r['reference_s'] * 1e6:.1f}" if "reference_s" in r else "-"
         heads = f"{r['heads']} (pad {r['kernel_heads']})" if r["heads"] != r["kernel_heads"] else str(r["heads"])
-        launch = describe(mk.SplitKVConfig(**r["split_kv_config"]))
+        launch = describe(sk.SplitKVConfig(**r["split_kv_config"]))
         print(f"| {heads} | {r['batch']} | {r['context']} | {r['generic_s'] * 1e6:.1f} | {r['split_kv_s'] * 1e6:.1f} | "
               f"{r['speedup']:.1f}x | {launch} | {r['split_kv_splits']} | {r['split_kv_GBps']:.0f} | "
               f"{r['split_kv_of_copy_bw']:.0%} | {r['generic_GBps']:.0f} | {ref} |")

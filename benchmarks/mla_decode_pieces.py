@@ -22,28 +22,29 @@ import dataclasses
 import torch
 import triton
 from gpu_timing import graph_time
-from k3compile.runtime.kernels import mla_decode as mk
+from k3compile.runtime.kernels import mla_common as mc
+from k3compile.runtime.kernels import mla_split_kv as sk
 from mla_decode import LATENT, SCALE, WIDTH, cache_copies, paged_cache
 
 REPEATS = 30
 
 
-def split_kernel_alone(q, cache, table, seq_lens, splits: int, cfg: mk.SplitKVConfig, o_part, lse_part) -> None:
+def split_kernel_alone(q, cache, table, seq_lens, splits: int, cfg: sk.SplitKVConfig, o_part, lse_part) -> None:
     """The launcher's split-KV launch without the combine (partials left in o_part / lse_part)."""
-    desc = mk._kv_descriptors(cache, LATENT, cfg.block_n)
+    desc = sk._kv_descriptors(cache, LATENT, cfg.block_n)
     lat, pe = desc or (None, None)
     B, H, W = q.shape
-    mk._mla_decode_split_kv_kernel[(H // cfg.block_h, splits, B)](
-        q, cache, lat, pe, table, seq_lens, o_part, lse_part, SCALE * mk.LOG2E, H, splits,
+    sk._mla_decode_split_kv_kernel[(H // cfg.block_h, splits, B)](
+        q, cache, lat, pe, table, seq_lens, o_part, lse_part, SCALE * mc.LOG2E, H, splits,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), table.stride(0),
         *o_part.stride()[:3], *lse_part.stride(), cache.shape[1],
-        **mk._split_kv_constexprs(cfg, W, LATENT, q.dtype, desc is not None),
+        **sk._split_kv_constexprs(cfg, W, LATENT, q.dtype, desc is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def combine_alone(o_part, lse_part, o, lse, splits: int, block_s: int, block_l: int, warps: int) -> None:
     B, H = o.shape[:2]
-    mk._combine_splits_kernel[(B, H, triton.cdiv(LATENT, block_l))](
+    sk._combine_splits_kernel[(B, H, triton.cdiv(LATENT, block_l))](
         o_part, lse_part, o, lse, *o_part.stride()[:3], *lse_part.stride()[:2], *o.stride()[:2], *lse.stride(),
         splits, L=LATENT, BLOCK_L=block_l, BLOCK_S=block_s, num_warps=warps)
 
@@ -54,7 +55,7 @@ def pieces(gen: torch.Generator, l2: int) -> None:
             caches, table, seq_lens = paged_cache(1, context, 64, gen, cache_copies(context * WIDTH * 2, l2))
             q = torch.randn(1, heads, WIDTH, device="cuda").bfloat16()
             q12, q_pad = q[:, :12].clone(), torch.zeros_like(q)
-            cfg = mk.split_kv_config("cuda", heads)
+            cfg = sk.split_kv_config("cuda", heads)
             pad = graph_time([lambda: q_pad[:, :12].copy_(q12)] * len(caches), REPEATS)
             print(f"h{heads} ctx{context}: pad 12 -> {heads} heads {pad * 1e6:.1f} us", flush=True)
             for s in (16, 32, 64, 128, 132, 192, 256, 264, 512):
@@ -64,12 +65,12 @@ def pieces(gen: torch.Generator, l2: int) -> None:
                 lse_part = torch.empty(1, heads, s, device="cuda")
                 o = torch.empty(1, heads, LATENT, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(1, heads, device="cuda")
-                c = mk._combine_constexprs(LATENT, s)
+                c = sk._combine_constexprs(LATENT, s)
                 t_split = graph_time([lambda c_=c_: split_kernel_alone(q, c_, table, seq_lens, s, cfg, o_part, lse_part)
                                       for c_ in caches], REPEATS)
                 t_comb = graph_time([lambda: combine_alone(o_part, lse_part, o, lse, s, c["BLOCK_S"], c["BLOCK_L"],
-                                                           mk._COMBINE_WARPS)] * len(caches), REPEATS)
-                t_all = graph_time([lambda c_=c_: mk.mla_decode_split_kv(q, c_, table, seq_lens, SCALE, LATENT,
+                                                           sk._COMBINE_WARPS)] * len(caches), REPEATS)
+                t_all = graph_time([lambda c_=c_: sk.mla_decode_split_kv(q, c_, table, seq_lens, SCALE, LATENT,
                                                                          num_splits=s, config=cfg)
                                     for c_ in caches], REPEATS)
                 print(f"h{heads} ctx{context} splits {s}: split kernel {t_split * 1e6:.1f} us, combine "
@@ -86,13 +87,13 @@ def splits(gen: torch.Generator, l2: int) -> None:
         kv = batch * context * WIDTH * 2
         caches, table, seq_lens = paged_cache(batch, context, 64, gen, cache_copies(kv, l2))
         q = torch.randn(batch, heads, WIDTH, device="cuda").bfloat16()
-        cfgs = [mk.split_kv_config("cuda", heads)]
+        cfgs = [sk.split_kv_config("cuda", heads)]
         if heads == 32:
             cfgs.append(dataclasses.replace(cfgs[0], block_h=16))
-        default = mk.choose_num_splits(batch, heads, table.shape[1] * 64, 132, cfgs[0])
+        default = sk.choose_num_splits(batch, heads, table.shape[1] * 64, 132, cfgs[0])
         for cfg in cfgs:
             for s in counts:
-                t = graph_time([lambda c=c: mk.mla_decode_split_kv(q, c, table, seq_lens, SCALE, LATENT, num_splits=s,
+                t = graph_time([lambda c=c: sk.mla_decode_split_kv(q, c, table, seq_lens, SCALE, LATENT, num_splits=s,
                                                                    config=cfg) for c in caches], REPEATS)
                 print(f"h{heads} b{batch} ctx{context} head tile {cfg.block_h} splits {s}"
                       f"{' (default)' if s == default else ''}: {t * 1e6:.1f} us, {kv / t / 1e12:.2f} TB/s", flush=True)

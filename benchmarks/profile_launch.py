@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 
 import torch
-from k3compile.runtime.kernels import mla_decode as mk
+from k3compile.runtime.kernels import mla_split_kv as sk
 from k3compile.runtime.kernels.kda_decode import kda_decode_fused
 from kda_decode import make_problem
 from mla_decode import LATENT, SCALE, WIDTH, paged_cache
@@ -26,12 +26,12 @@ def mla(args: argparse.Namespace) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     (cache,), table, seq_lens = paged_cache(args.batch, args.context, 64, gen)
     q = torch.randn(args.batch, args.heads, WIDTH, generator=gen, device="cuda").bfloat16()
-    config = mk.split_kv_config("cuda", args.heads)
+    config = sk.split_kv_config("cuda", args.heads)
     config = dataclasses.replace(
         config, block_n=args.block_n or config.block_n, num_warps=args.warps or config.num_warps,
         num_stages=args.stages or config.num_stages, tma=config.tma and not args.pointers)
     for _ in range(2):
-        mk.mla_decode_split_kv(q, cache, table, seq_lens, SCALE, LATENT, config=config)
+        sk.mla_decode_split_kv(q, cache, table, seq_lens, SCALE, LATENT, config=config)
     print(config)
 
 

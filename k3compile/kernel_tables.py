@@ -38,7 +38,7 @@ Phase = Literal["decode", "prefill"]
 
 class KernelDeclaration(Protocol):
     """What a declaration says about an attention kernel (``MLAKernel`` of
-    runtime/kernels/mla_decode.py satisfies it, and so does :class:`ReferenceKernel`)."""
+    runtime/kernels/mla_common.py satisfies it, and so does :class:`ReferenceKernel`)."""
 
     @property
     def name(self) -> str: ...
@@ -127,11 +127,12 @@ def kernel_table(target: str) -> KernelTable:
     # Triton is imported here, on the first GPU table, not with k3compile.
     from k3compile.runtime.kernels import aot
     from k3compile.runtime.kernels import mla_decode as kernels
+    from k3compile.runtime.kernels.mla_split_kv import SPLIT_KV
 
     if t.arch not in aot.TARGETS:
         raise ValueError(f"target {target}: its architecture {t.arch} is not one the Triton kernels are "
                          f"compiled for ({', '.join(aot.TARGETS)})")
-    ops = {kernels.SPLIT_KV.name: "k3::mla_decode_split_kv"}  # the kernels a graph can name
+    ops = {SPLIT_KV.name: "k3::mla_decode_split_kv"}  # the kernels a graph can name
     return KernelTable(
         target,
         decode=tuple(AttentionKernel(k, ops.get(k.name)) for k in kernels.MLA_DECODE_KERNELS),

@@ -5,7 +5,8 @@ three short convs, the decay gate, the beta sigmoid (and its fp32 cast), the rec
 step and the gated RMSNorm: eight launches per layer (seven in fp32, where the cast is
 gone) around one memory-bound pass over the recurrent state. ``k3::kda_decode_fused``
 (``k3compile/ops/kda_fused.py``) does all of it in one launch on GPUs (the Triton kernel of
-``k3compile/runtime/kernels/kda_decode.py``) and runs the very same ops on the CPU.
+``k3compile/runtime/kernels/kda_decode_kernel.py``, launched by ``kda_decode.py``) and runs
+the very same ops on the CPU.
 
 Matched by op semantics, walking from each ``k3.kda_decode`` to its producers and its
 consumer; views are recognised by what they do (split the flat channel dim into

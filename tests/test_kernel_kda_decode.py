@@ -37,10 +37,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from k3compile.ops.kda_fused import kda_decode_chain_reference  # noqa: E402
 from k3compile.runtime.kernels import aot  # noqa: E402
 from k3compile.runtime.kernels import kda_decode as kda  # noqa: E402
+from k3compile.runtime.kernels import kda_decode_kernel as kk  # noqa: E402
+from k3compile.runtime.kernels import kda_decode_plans as kp  # noqa: E402
 
 STATE_NAMES = ("conv_state_q", "conv_state_k", "conv_state_v", "state")
 
-KERNEL_INTERPRETED = not isinstance(kda.kda_decode_kernel, JITFunction)
+KERNEL_INTERPRETED = not isinstance(kk.kda_decode_kernel, JITFunction)
 # What each mode needs, and whether this process has it.
 CAN_INTERPRET = KERNEL_INTERPRETED and aot._language_interpreted()
 CAN_COMPILE = not KERNEL_INTERPRETED or aot._language_interpreted()
@@ -51,7 +53,7 @@ _MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain or test_op_kernel_
 _child_runs: dict[str, tuple[dict[str, str], str]] = {}
 
 
-def _run_child(mode: str, rootdir: Path) -> tuple[dict[str, str], str]:
+def _run_child(mode: str) -> tuple[dict[str, str], str]:
     """Run the tests of ``mode`` in a child pytest set up for it: ({node id: outcome}, output)."""
     env = {**os.environ, _CHILD_ENV: "1"}
     if mode == "interpret":
@@ -60,7 +62,11 @@ def _run_child(mode: str, rootdir: Path) -> tuple[dict[str, str], str]:
         env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
            "-k", _MODE_TESTS[mode]]
-    proc = subprocess.run(cmd, check=False, cwd=rootdir, env=env, capture_output=True, text=True, timeout=600)
+    # From the tests folder: ``python -m pytest`` puts its cwd first on sys.path, and the
+    # repository root would shadow an installed (non-editable) k3compile with the source
+    # folder, which lacks k3compile.runtime and k3compile.passes.
+    proc = subprocess.run(cmd, check=False, cwd=Path(__file__).parent, env=env, capture_output=True, text=True,
+                          timeout=600)
     output = proc.stdout + proc.stderr
     lines = re.finditer(r"^(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$", output, re.MULTILINE)
     outcomes = {m.group(2): m.group(1) for m in lines}
@@ -75,7 +81,7 @@ def runs_here(request: pytest.FixtureRequest, mode: str) -> bool:
     if os.environ.get(_CHILD_ENV):
         pytest.fail(f"the child pytest for {mode} cannot {mode} either")
     if mode not in _child_runs:
-        _child_runs[mode] = _run_child(mode, request.config.rootpath)
+        _child_runs[mode] = _run_child(mode)
     outcomes, output = _child_runs[mode]
     outcome = outcomes.get(request.node.nodeid)
     assert outcome == "PASSED", f"{request.node.nodeid}: {outcome} in the child pytest\n{output[-8000:]}"
@@ -338,7 +344,8 @@ def test_bad_inputs_raise_clear_errors(mutate, message: str) -> None:
 def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiled kernel cannot take CPU tensors: a clear error, not a driver failure."""
     if KERNEL_INTERPRETED:  # as the module would be without TRITON_INTERPRET (never launched)
-        monkeypatch.setattr(kda, "kda_decode_kernel", JITFunction(kda.kda_decode_kernel.fn))
+        # the launcher's own reference to the kernel
+        monkeypatch.setattr(kda, "kda_decode_kernel", JITFunction(kk.kda_decode_kernel.fn))
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         kda.kda_decode_fused(**_good_args())
 
@@ -356,19 +363,19 @@ def test_launch_plan_fills_the_gpu(target: str) -> None:
     programs."""
     units = aot.TARGETS[target].compute_units
     for batch in (1, 2, 4, 8, 16, 64, 256):
-        bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
-        programs = np.prod(kda.launch_grid(batch, K3_HEADS, K3_HEAD_DIM, bv))
+        bv = kp.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
+        programs = np.prod(kp.launch_grid(batch, K3_HEADS, K3_HEAD_DIM, bv))
         assert programs == batch * K3_HEADS * K3_HEAD_DIM // bv
         if 2 * batch * K3_HEADS >= units:
-            assert bv == kda.MAX_BLOCK_V == K3_HEAD_DIM, (batch, bv)
+            assert bv == kp.MAX_BLOCK_V == K3_HEAD_DIM, (batch, bv)
             continue
-        assert programs >= 2 * units or bv == kda.MIN_BLOCK_V, (batch, bv, programs)
-        if bv < kda.MAX_BLOCK_V:  # the next wider tile would have left CUs without a second program
+        assert programs >= 2 * units or bv == kp.MIN_BLOCK_V, (batch, bv, programs)
+        if bv < kp.MAX_BLOCK_V:  # the next wider tile would have left CUs without a second program
             assert programs // 2 < 2 * units
-    assert kda.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
-    assert kda.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == 128
+    assert kp.choose_block_v(1, K3_HEADS, K3_HEAD_DIM, units) == 16
+    assert kp.choose_block_v(256, K3_HEADS, K3_HEAD_DIM, units) == 128
     if target == "sm_90":
-        assert kda.choose_block_v(8, K3_HEADS, K3_HEAD_DIM, units) == 128  # 96 heads, 132 SMs
+        assert kp.choose_block_v(8, K3_HEADS, K3_HEAD_DIM, units) == 128  # 96 heads, 132 SMs
 
 
 @pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
@@ -380,16 +387,16 @@ def test_default_launch_config(target: str) -> None:
     an H200, slower from batch 64; costs registers on narrow tiles)."""
     units = aot.TARGETS[target].compute_units
     for batch in (1, 8, 64, 256):
-        config = kda.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units)
-        bv = kda.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
+        config = kp.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units)
+        bv = kp.choose_block_v(batch, K3_HEADS, K3_HEAD_DIM, units)
         evict = bv == K3_HEAD_DIM and batch * K3_HEADS < 2 * units
-        assert config == kda.LaunchConfig(block_v=bv, tiles_per_program=kda.MAX_TILES_PER_PROGRAM, num_warps=min(4, bv // 8),
+        assert config == kp.LaunchConfig(block_v=bv, tiles_per_program=kp.MAX_TILES_PER_PROGRAM, num_warps=min(4, bv // 8),
                                           num_stages=1, evict_state=evict)
         if target == "sm_90":
             assert config.evict_state == (batch == 8), batch  # whole rows from batch 8, hint below 22 sequences
         assert config.programs_per_head(K3_HEAD_DIM) == K3_HEAD_DIM // bv
-    assert kda.launch_config(1, 2, 16, 16, units).evict_state is False  # a whole row, but only 16 wide
-    assert kda.launch_config(256, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, evict_state=False).evict_state is False
+    assert kp.launch_config(1, 2, 16, 16, units).evict_state is False  # a whole row, but only 16 wide
+    assert kp.launch_config(256, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, evict_state=False).evict_state is False
 
 
 def test_whole_rows_as_two_tiles_under_pdl() -> None:
@@ -397,45 +404,45 @@ def test_whole_rows_as_two_tiles_under_pdl() -> None:
     batch 64: 32.1 -> 31.0 us); narrow tiles and given choices are left alone."""
     units = aot.TARGETS["sm_90"].compute_units
     for batch in (8, 64, 256):
-        config = kda.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True)
+        config = kp.launch_config(batch, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True)
         assert (config.block_v, config.tiles_per_program, config.num_stages, config.pdl) == (64, 2, 2, True), batch
         assert config.programs_per_head(K3_HEAD_DIM) == 1
         assert config.evict_state == (batch == 8)  # still a whole row for the hint's rule
-    narrow = kda.launch_config(1, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True)
+    narrow = kp.launch_config(1, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True)
     assert (narrow.block_v, narrow.tiles_per_program) == (16, 1)
-    given = kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True, block_v=128)
+    given = kp.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, pdl=True, block_v=128)
     assert (given.block_v, given.tiles_per_program) == (128, 1)
-    assert kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units).tiles_per_program == 1  # no PDL
+    assert kp.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units).tiles_per_program == 1  # no PDL
 
 
 def test_tiles_per_program_plan() -> None:
     """More tiles per program only while the batch still gives every CU two programs; the
     grid shrinks by the same factor; stages never exceed the tiles."""
     units = 132
-    assert kda.choose_tiles_per_program(256, K3_HEADS, K3_HEAD_DIM, 32, units) == kda.MAX_TILES_PER_PROGRAM
+    assert kp.choose_tiles_per_program(256, K3_HEADS, K3_HEAD_DIM, 32, units) == kp.MAX_TILES_PER_PROGRAM
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kda, "MAX_TILES_PER_PROGRAM", 8)
-        assert kda.choose_tiles_per_program(256, K3_HEADS, K3_HEAD_DIM, 32, units) == 4  # 3072 programs
-        assert kda.choose_tiles_per_program(64, K3_HEADS, K3_HEAD_DIM, 32, units) == 4  # 768 >= 264
-        assert kda.choose_tiles_per_program(16, K3_HEADS, K3_HEAD_DIM, 32, units) == 2  # 192 would be < 264
-        assert kda.choose_tiles_per_program(8, K3_HEADS, K3_HEAD_DIM, 32, units) == 1
-        assert kda.choose_tiles_per_program(1, K3_HEADS, K3_HEAD_DIM, 16, units) == 1
-    assert kda.launch_grid(64, K3_HEADS, K3_HEAD_DIM, 32, 4) == (1, K3_HEADS, 64)
-    assert kda.launch_grid(64, K3_HEADS, K3_HEAD_DIM, 16, 2) == (4, K3_HEADS, 64)
-    config = kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=32, tiles_per_program=4,
-                               num_stages=3, num_warps=2, evict_state=True)
-    assert config == kda.LaunchConfig(32, 4, 2, 3, True) and config.programs_per_head(K3_HEAD_DIM) == 1
-    assert kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=32, tiles_per_program=2,
-                             num_stages=3).num_stages == 2
-    assert kda.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=16,
-                             tiles_per_program=4).num_stages == 2
+        mp.setattr(kp, "MAX_TILES_PER_PROGRAM", 8)
+        assert kp.choose_tiles_per_program(256, K3_HEADS, K3_HEAD_DIM, 32, units) == 4  # 3072 programs
+        assert kp.choose_tiles_per_program(64, K3_HEADS, K3_HEAD_DIM, 32, units) == 4  # 768 >= 264
+        assert kp.choose_tiles_per_program(16, K3_HEADS, K3_HEAD_DIM, 32, units) == 2  # 192 would be < 264
+        assert kp.choose_tiles_per_program(8, K3_HEADS, K3_HEAD_DIM, 32, units) == 1
+        assert kp.choose_tiles_per_program(1, K3_HEADS, K3_HEAD_DIM, 16, units) == 1
+    assert kp.launch_grid(64, K3_HEADS, K3_HEAD_DIM, 32, 4) == (1, K3_HEADS, 64)
+    assert kp.launch_grid(64, K3_HEADS, K3_HEAD_DIM, 16, 2) == (4, K3_HEADS, 64)
+    config = kp.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=32, tiles_per_program=4,
+                              num_stages=3, num_warps=2, evict_state=True)
+    assert config == kp.LaunchConfig(32, 4, 2, 3, True) and config.programs_per_head(K3_HEAD_DIM) == 1
+    assert kp.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=32, tiles_per_program=2,
+                            num_stages=3).num_stages == 2
+    assert kp.launch_config(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, units, block_v=16,
+                            tiles_per_program=4).num_stages == 2
 
 
 def test_bytes_floor_is_the_state() -> None:
     state = 2 * K3_HEADS * K3_HEAD_DIM * K3_HEAD_DIM * 4
-    one = kda.bytes_moved(1, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, 4, 2)
+    one = kp.bytes_moved(1, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, 4, 2)
     assert one == 1_727_056 and state / one > 0.9
-    assert kda.bytes_moved(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, 4, 2) / (64 * state) < 1.05
+    assert kp.bytes_moved(64, K3_HEADS, K3_HEAD_DIM, K3_HEAD_DIM, 4, 2) / (64 * state) < 1.05
 
 
 # --------------------------------------------------------------------------- AOT
@@ -466,12 +473,12 @@ def _aot_resources() -> dict[tuple[str, tuple], aot.KernelResources]:
     for target in AOT_TARGETS:
         for plan in AOT_PLANS:
             block_v, tiles, stages, warps, evict = plan
-            signature, constexprs, num_warps = kda.aot_signature(
+            signature, constexprs, num_warps = kp.aot_signature(
                 torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=block_v,
                 tiles_per_program=tiles, num_stages=stages, num_warps=warps, evict_state=evict,
             )
             keys.append((target, plan))
-            requests.append(aot.CompileRequest(kda.kda_decode_kernel, signature, constexprs, target, num_warps))
+            requests.append(aot.CompileRequest(kk.kda_decode_kernel, signature, constexprs, target, num_warps))
     return dict(zip(keys, aot.compile_many(requests), strict=True))
 
 
@@ -496,10 +503,10 @@ def test_pdl_reads_only_the_state_before_waiting(request: pytest.FixtureRequest)
     weights) is left after it, only the projections' element loads."""
     if not runs_here(request, "compile"):
         return
-    signature, constexprs, num_warps = kda.aot_signature(
+    signature, constexprs, num_warps = kp.aot_signature(
         torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=K3_HEAD_DIM,
         num_warps=4, pdl=True)
-    ptx = aot.compiled_asm(aot.CompileRequest(kda.kda_decode_kernel, signature, constexprs, "sm_90", num_warps), "ptx")
+    ptx = aot.compiled_asm(aot.CompileRequest(kk.kda_decode_kernel, signature, constexprs, "sm_90", num_warps), "ptx")
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait")
     assert "st.global" not in before and "atom." not in before
@@ -507,7 +514,7 @@ def test_pdl_reads_only_the_state_before_waiting(request: pytest.FixtureRequest)
     assert before.count("ld.global.v4.b32") >= state_loads_per_thread
     assert "ld.global.v4" not in after
     assert after.count("ld.global") >= 6  # q, k, v, a, beta and gate, one element each per thread
-    without = kda.aot_signature(torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM,
-                                block_v=K3_HEAD_DIM, num_warps=4)
-    plain = aot.compiled_asm(aot.CompileRequest(kda.kda_decode_kernel, *without[:2], "sm_90", without[2]), "ptx")
+    without = kp.aot_signature(torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM,
+                               block_v=K3_HEAD_DIM, num_warps=4)
+    plain = aot.compiled_asm(aot.CompileRequest(kk.kda_decode_kernel, *without[:2], "sm_90", without[2]), "ptx")
     assert "griddepcontrol" not in plain

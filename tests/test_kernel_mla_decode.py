@@ -1,4 +1,4 @@
-"""Triton MLA kernels (runtime/kernels/mla_decode.py) against the fp32 torch reference.
+"""Triton MLA kernels (runtime/kernels/mla_*.py) against the fp32 torch reference.
 
 Without a GPU the kernels run under the Triton interpreter: tests/conftest.py sets
 TRITON_INTERPRET before anything imports Triton (the mode is fixed at that import).
@@ -21,9 +21,12 @@ import torch
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.runtime.kernels import aot
+from k3compile.runtime.kernels import mla_attention as ak
+from k3compile.runtime.kernels import mla_common as mc
 from k3compile.runtime.kernels import mla_decode as mk
+from k3compile.runtime.kernels import mla_split_kv as sk
 
-DEVICE = "cuda" if torch.cuda.is_available() and not mk._INTERPRETED else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() and not mc._INTERPRETED else "cpu"
 
 
 # The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
@@ -74,8 +77,8 @@ def case(H: int, L: int, R: int, lens: list[int], block_size: int, dtype=torch.b
 
 def test_interpreter_poisons_outputs():
     """The NaN checks below only mean something if unwritten outputs are NaN."""
-    if mk._INTERPRETED:
-        assert mk._empty((4,), torch.float32, torch.device("cpu")).isnan().all()
+    if mc._INTERPRETED:
+        assert mc._empty((4,), torch.float32, torch.device("cpu")).isnan().all()
 
 
 @pytest.mark.parametrize("H", [16, 32, 48])
@@ -84,7 +87,7 @@ def test_split_kv_matches_reference(H, num_splits):
     # lengths 0 and 1, lengths that are not multiples of the block size or of BLOCK_N;
     # 48 heads: three head-tile programs per (sequence, split)
     q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 37, 70], block_size=16, seed=H)
-    got = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=num_splits, num_sms=4)
+    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=num_splits, num_sms=4)
     o, lse = got
     assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32 and o.shape == (4, H, 64)
     assert (o[0] == 0).all() and torch.isneginf(lse[0]).all()  # empty context: o = 0, lse = -inf
@@ -97,7 +100,7 @@ def test_split_kv_tiles_and_splits_cover_the_context(block_n):
     two blocks in one tile: every tiling gives the same answer."""
     q, cache, table, seq_lens, scale = case(16, 64, 8, [45, 3], block_size=4, seed=7)
     want = reference(q, cache, table, seq_lens, scale, 64)
-    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=5, block_n=block_n), want)
+    check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=5, block_n=block_n), want)
 
 
 @pytest.mark.parametrize("H, block_h", [(32, 32), (48, 64), (48, 32), (32, 16)])
@@ -107,8 +110,8 @@ def test_split_kv_head_tiles(H, block_h):
     more splits than KV tiles (2 tiles of 32 rows, 8 splits) and a KV tile larger than
     the block size."""
     q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 50, 17], block_size=16, seed=H + block_h)
-    config = mk.SplitKVConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1)
-    got = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=8, config=config)
+    config = sk.SplitKVConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1)
+    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=8, config=config)
     check(got, reference(q, cache, table, seq_lens, scale, 64))
 
 
@@ -134,12 +137,12 @@ def test_split_kv_tensor_descriptor_tiles(H, block_n, block_size):
     q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 31, 32, 33, 100, 129], block_size, seed=H + block_size)
     cache = poison_past_contexts(cache, table, seq_lens)
     want = reference(q, cache.nan_to_num(0.0), table, seq_lens, scale, 64)
-    tma = mk.SplitKVConfig(block_h=H, block_n=block_n, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
-    assert mk._kv_descriptors(cache, 64, block_n) is not None
+    tma = sk.SplitKVConfig(block_h=H, block_n=block_n, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
+    assert sk._kv_descriptors(cache, 64, block_n) is not None
     for splits in (1, 3, 7):
-        got = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits, config=tma)
+        got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits, config=tma)
         check(got, want)
-        pointers = mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits,
+        pointers = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits,
                                           config=dataclasses.replace(tma, tma=False))
         torch.testing.assert_close(got[1], pointers[1], atol=1e-5, rtol=0.0)
 
@@ -148,14 +151,14 @@ def test_split_kv_tensor_descriptors_only_where_the_cache_allows():
     """A tile must lie in one block and blocks must be stored back to back; elsewhere the
     launcher gathers through pointers (same answer)."""
     q, cache, table, seq_lens, scale = case(16, 64, 8, [0, 37, 70], block_size=32, seed=4)
-    assert mk._kv_descriptors(cache, 64, 32) is not None
-    assert mk._kv_descriptors(cache, 64, 64) is None  # a 64-row tile spans two blocks
+    assert sk._kv_descriptors(cache, 64, 32) is not None
+    assert sk._kv_descriptors(cache, 64, 64) is None  # a 64-row tile spans two blocks
     wide = torch.zeros(cache.shape[0], 2, *cache.shape[1:], dtype=cache.dtype, device=cache.device)
     wide[:, 0] = cache
     strided = wide[:, 0]  # blocks not back to back (every other block-sized slab)
-    assert mk._kv_descriptors(strided, 64, 32) is None
-    tma = mk.SplitKVConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
-    check(mk.mla_decode_split_kv(q, strided, table, seq_lens, scale, 64, num_splits=3, config=tma),
+    assert sk._kv_descriptors(strided, 64, 32) is None
+    tma = sk.SplitKVConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
+    check(sk.mla_decode_split_kv(q, strided, table, seq_lens, scale, 64, num_splits=3, config=tma),
           reference(q, cache, table, seq_lens, scale, 64))
 
 
@@ -163,15 +166,15 @@ def test_split_kv_combines_more_splits_than_one_step():
     """300 splits: the combine takes its splits in three steps of 128 (the last one
     partly masked). 4100 tokens fill 257 splits of 16 rows, so every step holds real
     partials; the short context leaves most splits empty, the empty one all."""
-    assert mk._combine_constexprs(64, 300)["BLOCK_S"] == 128
+    assert sk._combine_constexprs(64, 300)["BLOCK_S"] == 128
     q, cache, table, seq_lens, scale = case(16, 64, 8, [0, 37, 4100], block_size=16, seed=9)
-    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=300, block_n=16),
+    check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=300, block_n=16),
           reference(q, cache, table, seq_lens, scale, 64))
 
 
 def test_split_kv_real_k3_widths():
     q, cache, table, seq_lens, scale = case(16, 512, 64, [0, 1, 21], block_size=8, seed=3)
-    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 512, num_splits=2),
+    check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 512, num_splits=2),
           reference(q, cache, table, seq_lens, scale, 512))
 
 
@@ -179,27 +182,27 @@ def test_split_kv_real_k3_widths():
 def test_split_kv_other_dtypes(dtype):
     q, cache, table, seq_lens, scale = case(16, 64, 8, [9, 30], block_size=16, dtype=dtype, seed=5)
     tol = ({"atol": 1e-5, "rtol": 1e-5}, {"atol": 1e-5, "rtol": 0.0}) if dtype == torch.float32 else (O_TOL, LSE_TOL)
-    check(mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=2),
+    check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=2),
           reference(q, cache, table, seq_lens, scale, 64), *tol)
 
 
 def test_split_kv_rejects_heads_not_multiple_of_16():
     q, cache, table, seq_lens, scale = case(12, 64, 8, [5], block_size=16)
     with pytest.raises(ValueError, match="multiple of 16, got 12"):
-        mk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64)
+        sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64)
 
 
 @pytest.mark.parametrize("H", [3, 12])
 def test_generic_matches_reference(H):
     q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 29], block_size=8, seed=H)
-    got = mk.mla_decode_generic(q, cache, table, seq_lens, scale, 64)
+    got = ak.mla_decode_generic(q, cache, table, seq_lens, scale, 64)
     assert torch.isneginf(got[1][0]).all() and (got[0][0] == 0).all()
     check(got, reference(q, cache, table, seq_lens, scale, 64))
 
 
 def test_generic_real_k3_widths():
     q, cache, table, seq_lens, scale = case(3, 512, 64, [1, 19], block_size=16, seed=11)
-    check(mk.mla_decode_generic(q, cache, table, seq_lens, scale, 512),
+    check(ak.mla_decode_generic(q, cache, table, seq_lens, scale, 512),
           reference(q, cache, table, seq_lens, scale, 512))
 
 
@@ -213,7 +216,7 @@ def test_prefill_equals_decode_at_every_position(H):
     gen = torch.Generator().manual_seed(H)
     q = torch.randn(sum(new), H, 72, generator=gen).bfloat16().to(DEVICE)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    got = mk.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, 64)
+    got = ak.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, 64)
     seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
     pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx, new, strict=True)])
     want = reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, 64)
@@ -223,7 +226,7 @@ def test_prefill_equals_decode_at_every_position(H):
 def test_prefill_rejects_bad_cu_seqlens():
     q, cache, table, seq_lens, scale = case(3, 64, 8, [4, 4], block_size=8)
     with pytest.raises(ValueError, match="cu_seqlens must be int32"):
-        mk.mla_prefill_absorbed(q, cache, torch.tensor([0, 1], dtype=torch.int32), table, seq_lens, scale, 64)
+        ak.mla_prefill_absorbed(q, cache, torch.tensor([0, 1], dtype=torch.int32), table, seq_lens, scale, 64)
 
 
 def test_declarations():
@@ -236,7 +239,7 @@ def test_declarations():
     assert "dtypes" in generic.reason_rejected(12, torch.int8, 576, 512)
     assert "k_pe" in generic.reason_rejected(12, torch.bfloat16, 576 + 64, 512)
     assert mk.MLA_PREFILL_KERNELS[0].accepts(12, torch.bfloat16, 576, 512)
-    assert fast.launch is mk.mla_decode_split_kv
+    assert fast.launch is sk.mla_decode_split_kv
 
 
 def test_op_kernel_takes_the_first_kernel_that_accepts(monkeypatch):
@@ -245,7 +248,7 @@ def test_op_kernel_takes_the_first_kernel_that_accepts(monkeypatch):
     reference. The launches are recorded, and answered by the reference."""
     calls = []
 
-    def recorded(kernel: mk.MLAKernel) -> mk.MLAKernel:
+    def recorded(kernel: mc.MLAKernel) -> mc.MLAKernel:
         def launch(*args):
             calls.append(kernel.name)
             return reference(*args)
@@ -265,34 +268,34 @@ def test_op_kernel_takes_the_first_kernel_that_accepts(monkeypatch):
 def test_split_kv_config_head_tiles():
     """The widest head tile that divides the heads: no padded head rows computed."""
     def tile(backend, heads, dtype=torch.bfloat16):
-        return mk.split_kv_config(backend, heads, dtype).block_h
+        return sk.split_kv_config(backend, heads, dtype).block_h
     assert [tile("cuda", h) for h in (16, 32, 48, 64, 96, 128)] == [16, 32, 16, 64, 32, 64]
     assert [tile("hip", h) for h in (16, 32, 48, 64, 96)] == [16, 32, 16, 32, 32]  # 64 heads spill on AMD
     assert tile("cuda", 64, torch.float32) == 16
-    sm90 = mk.split_kv_config("cuda", 64)
+    sm90 = sk.split_kv_config("cuda", 64)
     assert sm90.num_warps == 8 and sm90.num_stages == 3 and sm90.block_n == 32
 
 
 def test_num_splits_fill_the_gpu():
     """One wave of resident programs (SMs x programs_per_sm) where the context allows,
     splits no shorter than a KV tile, the fewest splits of least cost."""
-    h16 = mk.split_kv_config("cuda", 16)  # 2 programs per SM
+    h16 = sk.split_kv_config("cuda", 16)  # 2 programs per SM
     # batch 1 at 32K on an H200: 256 splits of 128 rows fill the 264 slots once
-    assert mk.choose_num_splits(1, 16, 32768, 132, h16) == 256
+    assert sk.choose_num_splits(1, 16, 32768, 132, h16) == 256
     # batch 16: 16 splits = 256 programs, one wave (17 would spill 8 programs into a second)
-    assert mk.choose_num_splits(16, 16, 32768, 132, h16) == 16
+    assert sk.choose_num_splits(16, 16, 32768, 132, h16) == 16
     # 96 heads = 3 head tiles: 11 splits x 48 = 528 programs, two whole waves
-    assert mk.choose_num_splits(16, 96, 32768, 132, mk.split_kv_config("cuda", 96)) == 11
+    assert sk.choose_num_splits(16, 96, 32768, 132, sk.split_kv_config("cuda", 96)) == 11
     # short contexts: never more splits than KV tiles; none for an empty table
-    assert mk.choose_num_splits(1, 16, 100, 132, h16) == 4
-    assert mk.choose_num_splits(1, 16, 0, 132, h16) == 1
+    assert sk.choose_num_splits(1, 16, 100, 132, h16) == 4
+    assert sk.choose_num_splits(1, 16, 0, 132, h16) == 1
     # a large batch fills the GPU alone
-    assert mk.choose_num_splits(256, 16, 1024, 132, h16) == 1
+    assert sk.choose_num_splits(256, 16, 1024, 132, h16) == 1
     # MI355X: 256 CUs x 2
-    assert mk.choose_num_splits(1, 16, 32768, 256, mk.split_kv_config("hip", 16)) == 256
+    assert sk.choose_num_splits(1, 16, 32768, 256, sk.split_kv_config("hip", 16)) == 256
     for batch, ctx in ((1, 1024), (4, 8192), (16, 131072), (64, 4096)):
-        splits = mk.choose_num_splits(batch, 16, ctx, 132, h16)
-        assert 1 <= splits <= min(mk.MAX_SPLITS, -(-ctx // h16.block_n))
+        splits = sk.choose_num_splits(batch, 16, ctx, 132, h16)
+        assert 1 <= splits <= min(sk.MAX_SPLITS, -(-ctx // h16.block_n))
 
 
 def test_every_kernel_compiles_and_fits_amd_targets():
@@ -313,9 +316,9 @@ def test_every_kernel_compiles_and_fits_amd_targets():
         assert res.spills == 0 and res.occupancy >= 1, (launch.name, res)
         if launch.name != "mla_decode_combine_splits":  # the matrix-unit tiles do stage through LDS
             assert res.shared_bytes > 0 and res.registers > 64
-        if launch.name.startswith(mk.SPLIT_KV.name):
+        if launch.name.startswith(sk.SPLIT_KV.name):
             block_h = launch.constexprs["BLOCK_H"]
-            config = mk.split_kv_config("hip" if aot.TARGETS[target].is_amd else "cuda", block_h)
+            config = sk.split_kv_config("hip" if aot.TARGETS[target].is_amd else "cuda", block_h)
             # AMD reports waves per SIMD, 4 SIMDs per CU; NVIDIA warps per SM
             per_unit = res.occupancy * (4 if aot.TARGETS[target].is_amd else 1) // launch.num_warps
             assert per_unit == config.programs_per_sm, (launch.name, target, per_unit, config)

@@ -65,13 +65,15 @@ def _other_passes() -> tuple[str, ...]:
 
 @pytest.mark.parametrize("target", GPU_TARGETS)
 def test_gpu_tables_come_from_the_kernel_declarations(target):
+    from k3compile.runtime.kernels import mla_attention as ak
     from k3compile.runtime.kernels import mla_decode as mk
+    from k3compile.runtime.kernels import mla_split_kv as sk
 
     table = kernel_table(target)
     assert [k.declaration for k in table.decode] == mk.MLA_DECODE_KERNELS
     assert [k.declaration for k in table.prefill] == mk.MLA_PREFILL_KERNELS
     fast = fast_attention_kernel(target, "decode")
-    assert fast.declaration is mk.SPLIT_KV and fast.op == "k3::mla_decode_split_kv"
+    assert fast.declaration is sk.SPLIT_KV and fast.op == "k3::mla_decode_split_kv"
     assert [fast.accepts(h, bf16, 576, 512) for h in (12, 16, 24, 32, 96)] == [False, True, False, True, True]
     assert "multiple of 16" in fast.reason_rejected(12, bf16, 576, 512)
     assert [next_accepted_heads(target, h, bf16, 576, 512) for h in (1, 12, 16, 24, 96)] == [16, 16, 16, 32, 96]
@@ -79,7 +81,7 @@ def test_gpu_tables_come_from_the_kernel_declarations(target):
     assert next_accepted_heads(target, 12, torch.int8, 576, 512) is None
     assert next_accepted_heads(target, 12, bf16, 1088, 1024) is None
     prefill = fast_attention_kernel(target, "prefill")
-    assert prefill.declaration is mk.PREFILL and prefill.accepts(12, bf16, 576, 512)
+    assert prefill.declaration is ak.PREFILL and prefill.accepts(12, bf16, 576, 512)
     assert next_accepted_heads(target, 12, bf16, 576, 512, phase="prefill") == 12
 
 
@@ -115,9 +117,10 @@ def _decode_case(heads: int, gen: torch.Generator):
 
 
 def test_split_kv_op_is_mla_decode_for_multiples_of_16():
-    from k3compile.runtime.kernels import mla_decode as mk
+    from k3compile.runtime.kernels import mla_common as mc
+    from k3compile.runtime.kernels import mla_split_kv as sk
 
-    assert mla.SPLIT_KV_HEAD_MULTIPLE == mk.SPLIT_KV.head_multiple == mk.HEAD_TILE
+    assert mla.SPLIT_KV_HEAD_MULTIPLE == sk.SPLIT_KV.head_multiple == mc.HEAD_TILE
     gen = torch.Generator().manual_seed(0)
     args = _decode_case(16, gen)
     for got, want in zip(k3.mla_decode_split_kv(*args), k3.mla_decode(*args)):
