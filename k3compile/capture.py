@@ -36,6 +36,7 @@ from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec, rank_constants, shard_specs
+from k3compile.stamping import export_stacked
 
 Phase = Literal["decode", "prefill"]
 PHASES: tuple[Phase, ...] = ("decode", "prefill")
@@ -173,7 +174,7 @@ def capture(
             start = time.perf_counter()
             step = StepModule(model, phase)
             args, dynamic = example_inputs(cfg, plan, phase, dtype, block_size)
-            programs[phase] = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+            programs[phase] = export_stacked(step, args, dynamic, model.model.layers)
             drop_device_asserts(programs[phase])
             stats.seconds[phase] = time.perf_counter() - start
             stats.nodes[phase] = len(programs[phase].graph.nodes)

@@ -176,7 +176,7 @@ def plan_memory(
     """Capture the decode program (on ``meta``), then run the target's passes one by one,
     estimating per-GPU memory before the first and after each that changed it."""
     from k3compile.capture import capture
-    from k3compile.pipeline import PipelineOptions, resolve_passes, run_pipeline
+    from k3compile.pipeline import GraphPass, PipelineOptions, resolve_passes, run_pipeline
     from k3compile.placement import propagate_placements
 
     say = on_step or (lambda _msg: None)
@@ -196,13 +196,14 @@ def plan_memory(
 
     result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program,
                         specs=captured.specs)
-    for graph_pass in passes:
-        say(f"pass {graph_pass.name}")
-        run_pipeline(captured.programs, cfg, plan, captured.specs, pipeline, constants=captured.constants,
-                     passes=[graph_pass])
+
+    def estimate_after(graph_pass: GraphPass) -> None:
         after = estimate()
         if after != result.stages[-1][1]:
             result.stages.append((graph_pass.name, after))
         else:
             result.unchanged.append(graph_pass.name)
+
+    run_pipeline(captured.programs, cfg, plan, captured.specs, pipeline, constants=captured.constants, passes=passes,
+                 record=False, after_pass=estimate_after, on_pass=lambda name, _phase: say(f"pass {name}"))
     return result

@@ -8,16 +8,26 @@ shard specs the loader uses). Both graphs run on copies of the same inputs; the 
 outputs and every cache tensor the step updated in place are compared. The error is
 the largest absolute difference over the largest reference magnitude of each tensor.
 
-TP1 programs are validated in-process; TP > 1 programs on real gloo ranks in spawned
-processes, each with its slice of the weights, so rewrites across ranks (a resharded
-parameter, a moved collective) are checked as they will run. Meant for tiny configs.
+TP1 programs are validated in-process (one intra-op thread: the tiny graphs are all
+op overhead, and a second thread only waits, or stalls the step when another process
+holds the other core); TP > 1 programs on real gloo ranks in spawned processes, each
+with its slice of the weights, so rewrites across ranks (a resharded parameter, a moved
+collective) are checked as they will run. Meant for tiny configs.
+
+A program's results on the steps (:class:`ProgramRun`) are what a check compares, so the
+pipeline runs each version of a program once: the run after one pass is the reference
+for the next (:meth:`TranslationValidator.run` and :meth:`TranslationValidator.compare`),
+and no copy of the program is needed.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import io
 import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +51,14 @@ class ValidationReport:
     tolerance: float
     ok: bool
     errors: dict[str, float] = field(default_factory=dict)  # per compared tensor
+    seconds: float = 0.0  # running the programs and comparing them
+
+
+@functools.lru_cache(maxsize=4096)
+def _stored(cfg: K3Config, name: str, spec: ShardSpec, seed: int) -> Tensor:
+    """The generator's checkpoint tensor, drawn once per process (validation draws the same
+    weights for every version of a program)."""
+    return stored_random_tensor(cfg, name, spec, seed)
 
 
 def random_parameters(
@@ -61,7 +79,7 @@ def random_parameters(
         name = spec_in.target
         spec = specs[name]
         dtype = program.state_dict[name].dtype
-        parts = [stored_random_tensor(cfg, n, spec, seed)[spec.local_index(plan)] for n in spec.names]
+        parts = [_stored(cfg, n, spec, seed)[spec.local_index(plan)] for n in spec.names]
         params[name] = (torch.stack(parts) if spec.stacked else parts[0]).to(dtype).contiguous()
     return params
 
@@ -75,16 +93,23 @@ def random_step_inputs(
     seed: int = 0,
     num_seqs: int = 3,
     fresh_prefill: bool = False,
+    min_tokens: int = 0,
 ) -> list:
     """User inputs of one valid random step of ``phase`` (StepModule order). With
     ``fresh_prefill`` a prefill step starts every sequence (no earlier context), as
-    context-parallel prefill requires."""
+    context-parallel prefill requires. A prefill step below ``min_tokens`` new tokens gets
+    the missing ones, spread over its sequences (a decode step has one per sequence)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     prior = [rng.randint(0 if phase == "prefill" else 1, 2 * block_size + 3) for _ in range(num_seqs)]
     if fresh_prefill and phase == "prefill":
         prior = [0] * num_seqs
     new = [1 if phase == "decode" else rng.randint(1, 6) for _ in range(num_seqs)]
+    if phase == "prefill":
+        for i in range(max(0, min_tokens - sum(new))):
+            new[i % num_seqs] += 1
+    elif min_tokens > num_seqs:
+        raise ValueError(f"a decode step of {num_seqs} sequences has {num_seqs} tokens, not {min_tokens}")
     blocks_needed = [-(-(p + n) // block_size) for p, n in zip(prior, new)]
     num_blocks = sum(blocks_needed) + 3
     shape = CacheShape(num_slots=num_seqs + 2, num_blocks=num_blocks, block_size=block_size)
@@ -136,61 +161,91 @@ def _error(a: Tensor, ref: Tensor) -> float:
     return diff / max(scale, 1e-30)
 
 
+#: New tokens of each validation step (at least): the first step stays below, the second
+#: reaches the 16 tokens at which the GEMM dispatch (model/gemm.py) takes its tiled branch,
+#: so both branches of every ``torch.cond`` run. A decode step has one token per sequence;
+#: a prefill step has three sequences.
+VALIDATION_TOKENS = (3, 17)
+PREFILL_SEQS = 3
+
+
 @dataclass(frozen=True)
 class _Job:
-    """What every rank needs to validate one pass on one phase."""
+    """What a rank needs to run one program on the validation steps."""
 
     config: K3Config
     phase: str
     seed: int
     block_size: int
     constants: dict[str, ShardOffset]
-    before_specs: dict[str, ShardSpec]
-    after_specs: dict[str, ShardSpec]
-    num_seqs: tuple[int, ...] = (3,)
-    plan: ParallelPlan = ParallelPlan()  # any rank's: the parallel layout
-    #: Whether each program is in the context-parallel MLA cache layout (k3compile/context_parallel.py).
-    before_split: bool = False
-    after_split: bool = False
+    specs: dict[str, ShardSpec]
+    tokens: tuple[int, ...]
+    plan: ParallelPlan  # any rank's: the parallel layout
+    split: bool  # the program is in the context-parallel MLA cache layout (k3compile/context_parallel.py)
 
 
-def _compare(job: _Job, plan: ParallelPlan, before: ExportedProgram, after: ExportedProgram) -> dict[str, float]:
-    """Errors of ``after`` against ``before`` on this rank's slice of random steps, one
-    per entry of ``job.num_seqs`` (keys of steps after the first carry ``@<num_seqs>``).
+@dataclass
+class ProgramRun:
+    """One program's results on the validation steps, on each rank: per step its outputs,
+    its caches after the step (the MLA caches of a context-parallel program at the
+    positions the rank owns) and, for such a program, where those positions are in the
+    global cache."""
 
-    A program in the context-parallel layout gets the step as this rank sees it there
-    (its own MLA positions, block table and slot mapping); its MLA caches are compared
-    at the positions it owns."""
-    dtype = next(iter(before.state_dict.values())).dtype
+    phase: str
+    tokens: tuple[int, ...]
+    ranks: list[list[dict]]  # rank -> step -> {"outputs", "caches", "global_slots" (or None)}
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_steps(job: _Job, plan: ParallelPlan, program: ExportedProgram) -> list[dict]:
+    """``program``'s results on this rank's slice of the validation steps. A program in the
+    context-parallel layout gets each step as this rank sees it there (its own MLA
+    positions, block table and slot mapping)."""
+    dtype = next(t.dtype for t in program.state_dict.values() if t.is_floating_point())  # the model's
     layout = ContextLayout.of(plan)
-    mla = set(mla_cache_indices(job.config.layer_kinds))
-    errors: dict[str, float] = {}
-    for i, num_seqs in enumerate(job.num_seqs):
+    mla = mla_cache_indices(job.config.layer_kinds)
+    params = random_parameters(job.config, program, job.specs, plan, job.seed, job.constants)
+    steps = []
+    for tokens in job.tokens:
+        num_seqs = tokens if job.phase == "decode" else PREFILL_SEQS
         inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed, num_seqs,
-                                    fresh_prefill=plan.dcp > 1)
-        runs = []
-        for program, specs, split in ((before, job.before_specs, job.before_split),
-                                      (after, job.after_specs, job.after_split)):
-            params = random_parameters(job.config, program, specs, plan, job.seed, job.constants)
-            ins = copy.deepcopy(inputs)
-            local = localize_step(job.config.layer_kinds, ins, layout) if split else None
-            ins = local.inputs if local else ins
-            with torch.no_grad():
-                out = run_graph(program.graph_module, program, params, ins)
-            caches = list(ins[-1])
-            if local is not None:  # the owned positions, in the order of the global ones
-                for k in mla:
-                    caches[k] = caches[k].view(-1, caches[k].shape[-1])[local.local_slots]
-            runs.append((out, caches, local))
-        (out_b, caches_b, local_b), (out_a, caches_a, local_a) = runs
-        if (local_a is None) != (local_b is None):  # compare the global cache at the owned positions too
-            local = local_a or local_b
-            target = caches_b if local_b is None else caches_a
+                                    fresh_prefill=plan.dcp > 1, min_tokens=tokens)
+        local = localize_step(job.config.layer_kinds, inputs, layout) if job.split else None
+        inputs = local.inputs if local else inputs
+        with torch.no_grad():
+            outputs = run_graph(program.graph_module, program, params, inputs)
+        caches = list(inputs[-1])
+        if local is not None:  # the owned positions, in the order of the global ones
             for k in mla:
-                target[k] = target[k].view(-1, target[k].shape[-1])[local.global_slots]
-        suffix = f"@{num_seqs}" if i else ""
-        errors.update({f"output{k}{suffix}": _error(a, b) for k, (a, b) in enumerate(zip(out_a, out_b))})
-        errors.update({f"cache{k}{suffix}": _error(a, b) for k, (a, b) in enumerate(zip(caches_a, caches_b))})
+                caches[k] = caches[k].view(-1, caches[k].shape[-1])[local.local_slots]
+        steps.append({"outputs": outputs, "caches": caches, "global_slots": local.global_slots if local else None})
+    return steps
+
+
+def _compare_steps(before: list[dict], after: list[dict], tokens: tuple[int, ...], mla: list[int]) -> dict[str, float]:
+    """Errors of ``after`` against ``before`` (one rank's steps; keys of steps after the
+    first carry ``@<tokens>``). Where one program is in the context-parallel layout and the
+    other is not, the global one's MLA caches are compared at the positions the rank owns."""
+    errors: dict[str, float] = {}
+    for i, (b, a) in enumerate(zip(before, after)):
+        caches_b, caches_a = list(b["caches"]), list(a["caches"])
+        if (a["global_slots"] is None) != (b["global_slots"] is None):
+            slots = a["global_slots"] if b["global_slots"] is None else b["global_slots"]
+            target = caches_b if b["global_slots"] is None else caches_a
+            for k in mla:
+                target[k] = target[k].view(-1, target[k].shape[-1])[slots]
+        suffix = f"@{tokens[i]}" if i else ""
+        errors.update({f"output{k}{suffix}": _error(x, y) for k, (x, y) in enumerate(zip(a["outputs"], b["outputs"]))})
+        errors.update({f"cache{k}{suffix}": _error(x, y) for k, (x, y) in enumerate(zip(caches_a, caches_b))})
     return errors
 
 
@@ -202,23 +257,26 @@ def _program_bytes(program: ExportedProgram) -> bytes:
     return buf.getvalue()
 
 
-def _validate_rank(rank: int, world: int, job: _Job, before: bytes, after: bytes) -> dict[str, float]:
-    """One gloo rank of a multi-rank validation (run by ``run_ranks``)."""
+def _run_rank(rank: int, world: int, job: _Job, program: bytes) -> list[dict]:
+    """One gloo rank of a multi-rank run (by ``RankPool``)."""
     torch.set_num_threads(1)
     plan = job.plan.for_rank(rank)
     init_context_parallel(plan)
-    load = lambda b: torch.export.load(io.BytesIO(b))  # noqa: E731
-    return _compare(job, plan, load(before), load(after))
+    return _run_steps(job, plan, torch.export.load(io.BytesIO(program)))
 
 
 class TranslationValidator:
-    """Callable for ``run_pipeline``: compares the program before and after a pass.
+    """Runs programs on the validation steps and compares their results.
 
     TP1 programs run in this process. TP > 1 programs run on ``tp`` real gloo ranks in
     spawned processes (the collectives in the graphs execute), each rank with its slice
     of the same random weights; the error is the worst over ranks. The ranks start at the
-    first multi-rank check and serve every later one until :meth:`close` (or the end of a
-    ``with`` block)."""
+    first multi-rank run and serve every later one until :meth:`close` (or the end of a
+    ``with`` block).
+
+    ``run_pipeline`` calls :meth:`run` on a program before the first pass that changes it
+    and after every pass that changes it, and :meth:`compare` on consecutive runs; calling
+    the validator compares two programs directly."""
 
     def __init__(
         self,
@@ -226,14 +284,14 @@ class TranslationValidator:
         seed: int = 0,
         block_size: int = 16,
         constants: dict[str, ShardOffset] | None = None,
-        num_seqs: tuple[int, ...] = (3,),
+        tokens: tuple[int, ...] = VALIDATION_TOKENS,
     ):
         self.constants = constants or {}
-        self.num_seqs = num_seqs  # one random step per entry: e.g. (3, 17) takes both sides of a 16-token branch
+        self.tokens = tokens
         self.rtol = rtol
         self.seed = seed
         self.block_size = block_size
-        self._pool = None  # the gloo ranks of multi-rank validations, started once for every pass and phase
+        self._pool = None  # the gloo ranks of multi-rank runs, started once for every pass and phase
 
     def close(self) -> None:
         """Stop the validation ranks (if any were started)."""
@@ -255,6 +313,24 @@ class TranslationValidator:
             self._pool = RankPool(world)
         return self._pool
 
+    def run(self, phase: str, program: ExportedProgram, specs: dict[str, ShardSpec], ctx) -> ProgramRun:
+        """``program`` (with parameters sliced by ``specs``) on the validation steps."""
+        constants = {**self.constants, **getattr(ctx, "constants", {})}  # a pass may have added some
+        job = _Job(ctx.config, phase, self.seed, self.block_size, constants, dict(specs), self.tokens, ctx.plan,
+                   program_layout(program.graph_module) is not None)
+        if ctx.plan.tp == 1:
+            with _one_thread():
+                return ProgramRun(phase, self.tokens, [_run_steps(job, ctx.plan, program)])
+        return ProgramRun(phase, self.tokens, self._ranks(ctx.plan.tp).run(_run_rank, job, _program_bytes(program)))
+
+    def compare(self, before: ProgramRun, after: ProgramRun, ctx) -> ValidationReport:
+        """The errors of ``after`` against ``before``: the worst over ranks per tensor."""
+        mla = mla_cache_indices(ctx.config.layer_kinds)
+        per_rank = [_compare_steps(b, a, self.tokens, mla) for b, a in zip(before.ranks, after.ranks)]
+        errors = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+        worst = max(errors.values()) if errors else 0.0
+        return ValidationReport(worst, self.rtol, worst <= self.rtol, errors)
+
     def __call__(
         self,
         phase: str,
@@ -263,14 +339,8 @@ class TranslationValidator:
         after: ExportedProgram,
         ctx,
     ) -> ValidationReport:
-        constants = {**self.constants, **getattr(ctx, "constants", {})}  # the pass may have added some
-        job = _Job(ctx.config, phase, self.seed, self.block_size, constants, before_specs, dict(ctx.specs),
-                   self.num_seqs, ctx.plan, program_layout(before.graph_module) is not None,
-                   program_layout(after.graph_module) is not None)
-        if ctx.plan.tp == 1:
-            errors = _compare(job, ctx.plan, before, after)
-        else:
-            per_rank = self._ranks(ctx.plan.tp).run(_validate_rank, job, _program_bytes(before), _program_bytes(after))
-            errors = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-        worst = max(errors.values()) if errors else 0.0
-        return ValidationReport(worst, self.rtol, worst <= self.rtol, errors)
+        """Run both programs and compare them (``ctx.specs``: the parameter specs of ``after``)."""
+        start = time.perf_counter()
+        report = self.compare(self.run(phase, before, before_specs, ctx), self.run(phase, after, ctx.specs, ctx), ctx)
+        report.seconds = time.perf_counter() - start
+        return report

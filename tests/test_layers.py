@@ -39,7 +39,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # The placement analysis and the k3 ops' rules.
     "placement": ("k3compile.placement",),
     # Capture, passes, pipeline, records, validation, memory plans, the compile driver.
-    "compiler": ("k3compile.capture", "k3compile.artifact_writer", "k3compile.pipeline", "k3compile.records", "k3compile.passes",
+    "compiler": ("k3compile.capture", "k3compile.stamping", "k3compile.artifact_writer", "k3compile.pipeline",
+                 "k3compile.records", "k3compile.passes",
                  "k3compile.validation", "k3compile.compiler", "k3compile.memory",
                  "k3compile.kernel_tables"),
     "cli": ("k3compile.cli", "k3compile.__main__"),

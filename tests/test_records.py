@@ -348,6 +348,39 @@ def test_html(clone_record):
     assert "layer=0" in sub and "linear_1" not in sub.split("</style>")[1]
 
 
+def test_html_styles_are_scoped_and_keep_graph_lines_whole(clone_record):
+    """Notebook front ends style every output table (JupyterLab and nbconvert: cells
+    right-aligned with ``white-space: normal``, up to ``:not(.jp-RenderedMarkdown)
+    .jp-RenderedHTMLCommon td``): the diff's cells are left-aligned and never wrap, with
+    rules that win over those, and no rule reaches outside our own classes."""
+    from k3compile.records.html_diff import STYLE
+
+    css = STYLE.removeprefix("<style>").removesuffix("</style>").replace("\n", "")
+    rules = re.findall(r"([^{}]+)\{([^{}]*)\}", css)
+    assert rules and re.sub(r"[^{}]+\{[^{}]*\}", "", css) == ""  # every rule parsed
+    declared: dict[str, str] = {}
+    for selectors, body in rules:
+        for sel in selectors.split(","):
+            assert re.match(r"\.k3(rec|sum)", sel.strip()), f"unscoped selector {sel!r}"
+            declared[sel.strip()] = declared.get(sel.strip(), "") + body + ";"
+    assert "text-align:left!important" in declared[".k3rec table td"]
+    assert "text-align:left!important" in declared[".k3rec table th"]
+    cell = declared[".k3rec table.k3rec-diff td"]
+    for prop in ("white-space:pre!important", "word-break:normal!important", "overflow-wrap:normal!important"):
+        assert prop in cell
+    assert "monospace" in declared[".k3rec table.k3rec-diff"]
+    assert "overflow-x:auto" in declared[".k3rec .k3rec-scroll"]
+    assert "break-all" not in css and "pre-wrap" not in css
+    assert "margin:0" in declared[".k3rec table.k3rec-diff"]  # not centred by the front end's table rule
+    # Line numbers and the summary's numbers are the only right-aligned cells.
+    assert "text-align:right!important" in declared[".k3rec table.k3rec-diff td.k3rec-no"]
+    page = clone_record._repr_html_()
+    assert '<div class="k3rec-scroll"><table class="k3rec-diff">' in page
+    assert '<th class="k3rec-no"></th><th>before</th>' in page
+    summary = pipeline_summary_html([clone_record])
+    assert '<div class="k3rec-scroll"><table class="k3sum">' in summary and '<th class="k3sum-num">matches</th>' in summary
+
+
 def test_html_added_and_replaced_rows(program):
     gm = program.graph_module
     after = copy.deepcopy(gm)

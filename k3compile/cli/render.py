@@ -206,10 +206,12 @@ def _pass_totals(summaries: list[Any]) -> str:
     failed = sum(1 for s in dicts if isinstance(s.get("validation"), dict) and not s["validation"].get("ok", True))
     validated = sum(1 for s in dicts if isinstance(s.get("validation"), dict))
     seconds = sum(s.get("seconds", 0) for s in dicts if isinstance(s.get("seconds", 0), (int, float)))
+    checking = sum(s["validation"].get("seconds", 0) for s in dicts if isinstance(s.get("validation"), dict))
     text = f"{len(summaries)} pass run(s) (one per pass and phase), {changed} changed the graph"
     if validated:
         text += f", {validated} validated" + (f" ({failed} FAILED)" if failed else "")
-    return text + f", {fmt_seconds(seconds)} in passes"
+    text += f", {fmt_seconds(seconds)} in passes"
+    return text + (f", {fmt_seconds(checking)} in validation" if validated else "")
 
 
 _PASS_TABLE_NOTE = (

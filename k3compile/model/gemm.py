@@ -28,19 +28,28 @@ TILE_ROWS = 16
 FAST_MIN_TOKENS = 16
 
 
-def _tiled_gemm(staged: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+def _tiled_gemm(x: Tensor, weight: Tensor, staged: Tensor):  # no return annotation: FX would print it
     """The fast path: whole 16-row tiles of the padded staging buffer, padding sliced off."""
-    return F.linear(staged, weight)[: x.shape[0]]
+    return (F.linear(staged, weight)[: x.shape[0]],)
 
 
-def _gemv(staged: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+def _gemv(x: Tensor, weight: Tensor, staged: Tensor):
     """The fallback for a few tokens: reads the original input, not the staging copy."""
-    return F.linear(x, weight)
+    return (F.linear(x, weight),)
 
 
 def dispatch_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``F.linear(x, weight)`` for a 2-D ``x`` through the staged fast path / fallback."""
+    """``F.linear(x, weight)`` for a 2-D ``x`` through the staged fast path / fallback.
+
+    On concrete sizes the branch runs directly (as ``torch.cond`` does with a Python bool).
+    On a symbolic size (capture) the ``cond`` operator is called itself: ``torch.cond``
+    would first compile its branches with Dynamo, about 0.3 s a call, 69 calls in the
+    full model; the operator traces the two branch functions directly into the same
+    graph (operands, one-tuple outputs and their ``getitem`` as Dynamo lifts them)."""
     tokens = x.shape[0]
     staged = x.new_zeros(tokens + (-tokens) % TILE_ROWS, x.shape[1])  # the staging buffer
     staged = torch.slice_scatter(staged, x, 0, 0, tokens)
-    return torch.cond(tokens >= FAST_MIN_TOKENS, _tiled_gemm, _gemv, (staged, x, weight))
+    fast = tokens >= FAST_MIN_TOKENS
+    if isinstance(fast, bool):
+        return (_tiled_gemm if fast else _gemv)(x, weight, staged)[0]
+    return torch.ops.higher_order.cond(fast, _tiled_gemm, _gemv, (x, weight, staged))[0]

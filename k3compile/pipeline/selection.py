@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
 
 from k3compile.pipeline.interface import PASSES, GraphPass, check_config, literal_choices
 from k3compile.sharding import ParallelPlan
@@ -63,29 +62,31 @@ def pipeline_order(names: Iterable[str] | None = None) -> list[str]:
     in ``before``) run first. Relations are resolved over every registered pass, so they
     hold through passes that do not run; a cycle fails."""
     registry = registered_passes()
-    graph = nx.DiGraph()
-    graph.add_nodes_from(registry)
+    first: dict[str, set[str]] = {name: set() for name in registry}  # pass -> the passes that run before it
     for name, cls in registry.items():
         for relation, others in (("after", cls.after), ("before", cls.before)):
             for other in others:
                 if other not in registry:
                     raise ValueError(f"pass {name} declares {relation}={other!r}, which is not a registered pass")
-                graph.add_edge(*((other, name) if relation == "after" else (name, other)))
+                if relation == "after":
+                    first[name].add(other)
+                else:
+                    first[other].add(name)
     index = {name: i for i, name in enumerate(registry)}
     order: list[str] = []
-    visiting: set[str] = set()
+    visiting: list[str] = []
 
     def place(name: str) -> None:
         """Append ``name`` after what must precede it (depth first, registration order)."""
         if name in order:
             return
         if name in visiting:
-            cycle = " -> ".join(u for u, _ in nx.find_cycle(graph, name))
+            cycle = " -> ".join([*visiting[visiting.index(name):], name])
             raise ValueError(f"the passes' after/before relations form a cycle: {cycle}")
-        visiting.add(name)
-        for first in sorted(graph.predecessors(name), key=index.__getitem__):
-            place(first)
-        visiting.discard(name)
+        visiting.append(name)
+        for before in sorted(first[name], key=index.__getitem__):
+            place(before)
+        visiting.pop()
         order.append(name)
 
     for name in registry:

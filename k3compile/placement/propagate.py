@@ -33,7 +33,7 @@ Sources of placements (placeholders):
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ from k3compile.sharding import ParallelPlan, Partial, Placement, RankLocal, Shar
 __all__ = ["propagate_placements"]
 
 _SCALAR_VALS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+_UNPLACED = object()
 
 
 def _declared_inputs(gm: GraphModule, user_inputs: set[str], field: str) -> Iterator[tuple[Node, OpRule, str, Node]]:
@@ -200,9 +201,17 @@ def _cond(node: Node) -> PlacementValue:
     return outs[0]
 
 
-def _propagate_graph(graph: torch.fx.Graph, placeholder: Callable[[Node], PlacementValue]) -> None:
-    """Place every node of ``graph``; ``placeholder(node)`` gives the inputs' placements."""
+def _propagate_graph(graph: torch.fx.Graph, placeholder: Callable[[Node], PlacementValue],
+                     only: Container[Node] | None = None) -> None:
+    """Place every node of ``graph``; ``placeholder(node)`` gives the inputs' placements.
+    With ``only``, a node outside it that is placed already keeps its placement unless an
+    input's placement changed."""
+    changed: set[Node] = set()
     for node in graph.nodes:
+        old = node.meta.get("placement", _UNPLACED)
+        if (only is not None and node.op != "placeholder" and node not in only and old is not _UNPLACED
+                and not any(i in changed for i in node.all_input_nodes)):
+            continue
         if node.op == "placeholder":
             p = placeholder(node)
         elif node.op == "call_function":
@@ -221,17 +230,25 @@ def _propagate_graph(graph: torch.fx.Graph, placeholder: Callable[[Node], Placem
         else:
             _fail(node, f"unsupported node kind {node.op!r}")
         node.meta["placement"] = p
+        if old is _UNPLACED or p != old:
+            changed.add(node)
 
 
 def propagate_placements(
-    gm: GraphModule, program: ExportedProgram, specs: dict[str, ShardSpec], plan: ParallelPlan
+    gm: GraphModule, program: ExportedProgram, specs: dict[str, ShardSpec], plan: ParallelPlan,
+    only: Container[Node] | None = None,
 ) -> None:
     """Set ``node.meta["placement"]`` on every node of ``gm`` (the graph of ``program``)
-    and of the branch subgraphs of its ``torch.cond`` nodes."""
+    and of the branch subgraphs of its ``torch.cond`` nodes.
+
+    ``only`` (after a pass: the nodes it added or rewired and those whose value changed)
+    limits the work to those nodes, the placeholders (specs and the cache layout may have
+    changed) and the nodes whose inputs got another placement; every other placement is
+    what a full propagation would give again."""
     sig = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
     user_inputs = {n for n, s in sig.items() if s.kind == InputKind.USER_INPUT}
     caches = _cache_placements(gm, user_inputs, plan)
-    _propagate_graph(gm.graph, lambda node: _placeholder(node, sig, specs, plan, caches))
+    _propagate_graph(gm.graph, lambda node: _placeholder(node, sig, specs, plan, caches), only)
     if plan.tp == 1:
         for node in gm.graph.nodes:
             p = node.meta["placement"]

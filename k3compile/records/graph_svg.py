@@ -12,11 +12,14 @@ from __future__ import annotations
 import html
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import networkx as nx
 from torch.fx import GraphModule, Node
 
 from k3compile.records.snapshot import NodeLine, node_line
+
+if TYPE_CHECKING:  # networkx is imported where a drawing is made: every compile imports this module
+    import networkx as nx
 
 _BOX_H = 34
 _ROW_GAP = 46
@@ -49,6 +52,8 @@ class Subgraph:
     def layout(self) -> dict[str, tuple[float, float, float]]:
         """Node -> (x center, y top, box width): rows are topological generations,
         ordered within a row by the barycenter of their predecessors."""
+        import networkx as nx
+
         g = self.graph
         order = nx.get_node_attributes(g, "order")
         rank = {n: r for r, gen in enumerate(nx.topological_generations(g)) for n in gen}
@@ -184,6 +189,8 @@ def draw_subgraph(
             f"draw_subgraph: the selection ({what}) has {len(selected)} nodes, more than max_nodes={max_nodes}; "
             "narrow it with layer=, module= or nodes=, or raise max_nodes"
         )
+    import networkx as nx
+
     g = nx.DiGraph()
     names = {node.name for node, _ in selected}
     for i, (node, line) in enumerate(selected):

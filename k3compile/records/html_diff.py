@@ -7,7 +7,9 @@ tokens highlighted, long unchanged stretches collapsed. :func:`pipeline_summary_
 tabulates a whole run with each changed record's diff in a collapsible section.
 
 The alignment and the token highlights are :class:`difflib.SequenceMatcher` opcodes,
-over node names and over each changed line's tokens.
+over node names and over each changed line's tokens. One stylesheet (:data:`STYLE`),
+scoped to our classes, keeps graph lines left-aligned and whole under the table rules of
+JupyterLab, nbconvert and the classic notebook; wide diffs scroll sideways in their box.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def record_header_html(rec: RecordLike) -> str:
 
 
 def diff_table_html(before: Sequence[NodeLine], after: Sequence[NodeLine], max_rows: int, fold: bool = True) -> str:
-    """The side-by-side diff of two snapshots' lines as an HTML table of at most ``max_rows`` rows."""
+    """The side-by-side diff of two snapshots' lines as an HTML table of at most ``max_rows``
+    rows, in a box that scrolls sideways (lines are never wrapped)."""
     rows = _diff_rows(before, after, fold)
     out = []
     for shown, row in enumerate(rows):
@@ -101,8 +104,8 @@ def diff_table_html(before: Sequence[NodeLine], after: Sequence[NodeLine], max_r
     if not rows:
         out.append('<tr class="k3rec-fold"><td colspan="4">(empty)</td></tr>')
     return (
-        '<table class="k3rec-diff"><thead><tr><th></th><th>before</th><th></th><th>after</th></tr></thead>'
-        f"<tbody>{''.join(out)}</tbody></table>"
+        '<div class="k3rec-scroll"><table class="k3rec-diff"><thead><tr><th class="k3rec-no"></th><th>before</th>'
+        f'<th class="k3rec-no"></th><th>after</th></tr></thead><tbody>{"".join(out)}</tbody></table></div>'
     )
 
 
@@ -110,7 +113,10 @@ def pipeline_summary_html(records: Sequence[RecordLike], details: bool = True, m
     """An HTML table, one row per (pass, phase); with ``details`` each changed record's
     diff follows in a collapsible section."""
     e = html.escape
-    head = "".join(f"<th>{e(h)}</th>" for h in SUMMARY_HEAD)
+    head = "".join(
+        f'<th class="k3sum-num">{e(h)}</th>' if i in NUMERIC_COLUMNS else f"<th>{e(h)}</th>"
+        for i, h in enumerate(SUMMARY_HEAD)
+    )
     body = []
     for rec in records:
         tds = "".join(
@@ -120,8 +126,8 @@ def pipeline_summary_html(records: Sequence[RecordLike], details: bool = True, m
         cls = "k3sum-row k3sum-changed" if rec.result.changed else "k3sum-row"
         body.append(f'<tr class="{cls}">{tds}</tr>')
     out = [
-        f'<div class="k3rec">{STYLE}<table class="k3sum"><thead><tr>{head}</tr></thead>',
-        f"<tbody>{''.join(body)}</tbody></table>",
+        f'<div class="k3rec">{STYLE}<div class="k3rec-scroll"><table class="k3sum"><thead><tr>{head}</tr></thead>',
+        f"<tbody>{''.join(body)}</tbody></table></div>",
         f'<div class="k3rec-title">{e(summary_footer(records))}</div>',
     ]
     if details:
@@ -235,31 +241,45 @@ def _intraline(a: str, b: str) -> tuple[str, str]:
     return "".join(outa), "".join(outb)
 
 
+#: One stylesheet for every block, scoped to ``.k3rec`` so that nothing leaks into the page.
+#: Notebook front ends style every table of an output (JupyterLab and nbconvert's lab
+#: template: cells right-aligned, ``white-space: normal``, padding, zebra rows, centred
+#: tables; the classic template: the same plus black text), with selectors up to
+#: ``:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td``. Rules here either outrank
+#: those (class + element selectors under ``.k3rec``) or, for alignment and wrapping, are
+#: ``!important``: graph lines keep their spaces and never break inside a name
+#: (``white-space: pre``, no ``word-break``); a wide diff scrolls in its own box.
 STYLE = """<style>
-.k3rec{font-family:ui-sans-serif,system-ui,sans-serif;font-size:13px;margin:4px 0}
+.k3rec{font-family:ui-sans-serif,system-ui,-apple-system,"Segoe UI",sans-serif;font-size:13px;line-height:1.4;margin:4px 0;text-align:left}
+.k3rec .k3rec-scope,.k3rec .k3rec-kv,.k3rec table.k3rec-diff,.k3rec table.k3sum td.k3sum-num{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono","Liberation Mono",monospace}
+.k3rec table.k3rec-diff,.k3rec table.k3rec-meta,.k3rec table.k3rec-reasons,.k3rec table.k3sum{border-collapse:collapse;border-spacing:0;border:none;margin:0;color:inherit;table-layout:auto}
+.k3rec table tr,.k3rec table tbody tr:nth-child(odd),.k3rec table tbody tr:hover{background:transparent}
+.k3rec table th,.k3rec table td{text-align:left!important;vertical-align:top;line-height:1.4;max-width:none;border:none;color:inherit}
 .k3rec-title{margin:2px 0 4px}
 .k3rec-tag{display:inline-block;padding:0 6px;border-radius:8px;background:rgba(127,127,127,.18);font-size:12px}
-.k3rec-changed{background:rgba(250,200,40,.35)}
-.k3rec-scope{font-family:ui-monospace,monospace}
-.k3rec-meta th{text-align:left;padding:1px 8px 1px 0;vertical-align:top;font-weight:600}
-.k3rec-meta td{text-align:left;padding:1px 0}
-.k3rec-kv{display:inline-block;margin-right:10px;font-family:ui-monospace,monospace;font-size:12px}
+.k3rec .k3rec-changed{background:rgba(250,200,40,.35)}
+.k3rec table.k3rec-meta th{padding:1px 8px 1px 0;font-weight:600}
+.k3rec table.k3rec-meta td{padding:1px 0}
+.k3rec-kv{display:inline-block;margin-right:10px;font-size:12px;white-space:nowrap}
 .k3rec-neg b{color:#c0392b}.k3rec-pos b{color:#1e8449}
-.k3rec-ok{color:#1e8449}.k3rec-fail{color:#c0392b;font-weight:700}
+.k3rec .k3rec-ok{color:#1e8449}.k3rec .k3rec-fail{color:#c0392b;font-weight:700}
 .k3rec-skipped{margin:4px 0}
-.k3rec-reasons td,.k3rec-reasons th{text-align:left;padding:1px 8px;font-size:12px}
-.k3rec-diff{border-collapse:collapse;font-family:ui-monospace,monospace;font-size:12px;width:100%;table-layout:fixed}
-.k3rec-diff th{text-align:left;border-bottom:1px solid rgba(127,127,127,.4)}
-.k3rec-diff th:nth-child(odd),.k3rec-diff td.k3rec-no{width:3.5em;text-align:right;color:rgba(127,127,127,.9);padding-right:6px}
-.k3rec-diff td{text-align:left;white-space:pre-wrap;word-break:break-all;vertical-align:top;padding:0 4px}
-.k3rec-del{background:rgba(231,76,60,.22)}
-.k3rec-add{background:rgba(46,204,113,.22)}
-.k3rec-chg{background:rgba(241,196,15,.25)}
-.k3rec-nil{background:rgba(127,127,127,.08)}
-.k3rec-hl{background:rgba(241,150,15,.45);border-radius:2px}
-.k3rec-fold td{text-align:center;color:rgba(127,127,127,.95);font-style:italic;background:rgba(127,127,127,.07)}
-.k3sum{border-collapse:collapse;font-size:13px;margin:6px 0}
-.k3sum th,.k3sum td{text-align:left;padding:2px 10px;border-bottom:1px solid rgba(127,127,127,.25)}
-.k3sum td.k3sum-num{text-align:right;font-family:ui-monospace,monospace}
-.k3sum tr.k3sum-changed td:first-child{border-left:3px solid rgba(241,196,15,.9)}
+.k3rec table.k3rec-reasons td,.k3rec table.k3rec-reasons th{padding:1px 8px;font-size:12px;white-space:normal;word-break:normal;overflow-wrap:break-word}
+.k3rec table.k3rec-reasons td:first-child{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:nowrap}
+.k3rec .k3rec-scroll{overflow-x:auto;max-width:100%;margin:2px 0}
+.k3rec table.k3rec-diff{font-size:12px;width:max-content;min-width:100%}
+.k3rec table.k3rec-diff th{padding:1px 6px;font-weight:600;border-bottom:1px solid rgba(127,127,127,.4)}
+.k3rec table.k3rec-diff td{padding:0 6px;white-space:pre!important;word-break:normal!important;overflow-wrap:normal!important;word-wrap:normal!important}
+.k3rec table.k3rec-diff th.k3rec-no,.k3rec table.k3rec-diff td.k3rec-no{width:1%;text-align:right!important;color:rgba(127,127,127,.9);user-select:none}
+.k3rec table.k3rec-diff td.k3rec-del{background:rgba(231,76,60,.22)}
+.k3rec table.k3rec-diff td.k3rec-add{background:rgba(46,204,113,.22)}
+.k3rec table.k3rec-diff td.k3rec-chg{background:rgba(241,196,15,.25)}
+.k3rec table.k3rec-diff td.k3rec-nil{background:rgba(127,127,127,.08)}
+.k3rec .k3rec-hl{background:rgba(241,150,15,.45);border-radius:2px}
+.k3rec table.k3rec-diff tr.k3rec-fold td{color:rgba(127,127,127,.95);font-style:italic;background:rgba(127,127,127,.07);font-family:ui-sans-serif,system-ui,sans-serif}
+.k3rec table.k3sum{font-size:13px;margin:6px 0}
+.k3rec table.k3sum th,.k3rec table.k3sum td{padding:2px 10px;white-space:nowrap;border-bottom:1px solid rgba(127,127,127,.25)}
+.k3rec table.k3sum td.k3sum-num,.k3rec table.k3sum th.k3sum-num{text-align:right!important}
+.k3rec table.k3sum tr.k3sum-changed td:first-child{border-left:3px solid rgba(241,196,15,.9)}
+.k3rec details>summary{cursor:pointer;display:list-item}
 </style>"""

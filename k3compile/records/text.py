@@ -55,7 +55,8 @@ def json_number(v: Any) -> Any:
 
 
 def validation_facts(report: Any) -> dict[str, Any] | None:
-    """A validation report (``max_error``, ``tolerance``, ``ok``) as JSON, or None."""
+    """A validation report (``max_error``, ``tolerance``, ``ok``, ``seconds`` where it
+    has them) as JSON, or None."""
     if report is None:
         return None
 
@@ -63,11 +64,14 @@ def validation_facts(report: Any) -> dict[str, Any] | None:
         x = float(x)
         return x if math.isfinite(x) else str(x)
 
-    return {
+    facts = {
         "max_error": num(report.max_error),
         "tolerance": num(getattr(report, "tolerance", float("nan"))),
         "ok": bool(getattr(report, "ok", True)),
     }
+    if getattr(report, "seconds", None) is not None:  # time spent validating
+        facts["seconds"] = round(float(report.seconds), 6)
+    return facts
 
 
 def fmt_validation(report: Any) -> str:
