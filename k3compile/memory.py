@@ -13,6 +13,7 @@ memory-changing pass.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -43,7 +44,9 @@ WEIGHT_KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=None)
 def weight_kind(checkpoint_name: str) -> str:
+    """The kind (``WEIGHT_KINDS``) a checkpoint tensor's bytes are reported under."""
     for kind, pattern in WEIGHT_KINDS:
         if re.search(pattern, checkpoint_name):
             return kind
@@ -189,10 +192,14 @@ def plan_memory(
     program = captured.programs["decode"]
     propagate_placements(program.graph_module, program, captured.specs, plan)
 
+    caches: dict[bool, tuple[int, int]] = {}  # by whether the MLA cache is split by context
+
     def estimate() -> MemoryEstimate:
         split = program_layout(program.graph_module) is not None
-        mla, kda = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences, options.block_size, split)
-        return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), mla, kda)
+        if split not in caches:
+            caches[split] = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences,
+                                        options.block_size, split)
+        return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), *caches[split])
 
     result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program,
                         specs=captured.specs)

@@ -29,6 +29,7 @@ checkpoint names of its parameters (``shard_specs``) are not structure.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -325,9 +326,8 @@ class _Stamper:
         env.update((t, s) for t, s in zip(template.rest, stub.rest) if t is not None)
         earlier, stamped_earlier = template_activations[1:], activations[1:]
         prefix = template.qualname + "."
-        for target, node in self.lifted.items():
-            if target.startswith(prefix):
-                env[node] = self.lifted[stub.qualname + "." + target[len(prefix):]]
+        env.update((node, self.lifted[stub.qualname + "." + target[len(prefix):]])
+                   for target, node in self.lifted.items() if target.startswith(prefix))
 
         def arg(a: Any) -> Any:
             if isinstance(a, Node):
@@ -347,10 +347,9 @@ class _Stamper:
                     continue
                 if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat)):
                     continue  # a size expression: the tracer keeps one node for it, shared by every layer
-                if node.op == "get_attr":
-                    name = stub.graphs[node.target]
-                    self.gm.register_module(name, _copy_module(self.gm.get_submodule(node.target)))
-                    new = self.graph.create_node("get_attr", name, name=self._name(name))
+                if node.op == "get_attr":  # a cond branch: copied when its cond is
+                    new = self.graph.create_node("get_attr", stub.graphs[node.target],
+                                                 name=self._name(stub.graphs[node.target]))
                 else:
                     new = self.graph.create_node(node.op, node.target, arg(node.args), arg(node.kwargs),
                                                  name=self._name(stub.names[node.name]), type_expr=node.type)
@@ -359,31 +358,26 @@ class _Stamper:
                     new.meta["eager_input_vals"] = torch.fx.node.map_aggregate(
                         (new.args, new.kwargs), lambda a: a.meta.get("val") if isinstance(a, Node) else None)
                 if node.target is torch.ops.higher_order.cond:
-                    _name_branch_inputs(self.gm, new, node)
+                    for template_branch, branch in zip(node.args[1:3], new.args[1:3]):
+                        self.gm.register_module(branch.target, _copy_branch(
+                            self.gm.get_submodule(template_branch.target), node.args[3], new.args[3]))
                 env[node] = new
         stub.node.replace_all_uses_with(env[template.output])
         self.graph.erase_node(stub.node)
         self.replaced[stub.node] = env[template.output]
 
 
-def _copy_module(module: GraphModule) -> GraphModule:
-    """A new GraphModule with a copy of ``module``'s graph (node metadata shared shallowly)."""
-    import copy
-
-    return GraphModule(module, copy.deepcopy(module.graph), class_name=type(module).__name__)
-
-
-def _name_branch_inputs(gm: GraphModule, new: Node, template: Node) -> None:
-    """A stamped cond's branch inputs are named like its operands, as export names them
-    (where the template's were named like the template's operands)."""
-    for index in (1, 2):
-        branch = gm.get_submodule(new.args[index].target)
-        placeholders = [n for n in branch.graph.nodes if n.op == "placeholder"]
-        for ph, old_op, new_op in zip(placeholders, template.args[3], new.args[3]):
-            if isinstance(old_op, Node) and ph.name == old_op.name:
-                ph._rename(new_op.name)
-                ph.target = ph.name  # a placeholder's target is its argument name
-        branch.recompile()
+def _copy_branch(branch: GraphModule, operands: Sequence[Any], stamped_operands: Sequence[Any]) -> GraphModule:
+    """A copy of a template's cond branch for the stamped cond (node metadata shared
+    shallowly). Its inputs are named like the stamped operands, as export names them,
+    where the template's were named like the template's operands."""
+    graph = copy.deepcopy(branch.graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph, old, new in zip(placeholders, operands, stamped_operands):
+        if isinstance(old, Node) and ph.name == old.name:
+            ph._rename(new.name)
+            ph.target = ph.name  # a placeholder's target is its argument name
+    return GraphModule(branch, graph, class_name=type(branch).__name__)
 
 
 def export_stacked(
