@@ -54,11 +54,19 @@ class ValidationReport:
     seconds: float = 0.0  # running the programs and comparing them
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1)
+def _draws(cfg: K3Config) -> dict[tuple[str, ShardSpec, int], Tensor]:
+    """The checkpoint tensors drawn for ``cfg`` so far; only the last config's are kept."""
+    return {}
+
+
 def _stored(cfg: K3Config, name: str, spec: ShardSpec, seed: int) -> Tensor:
-    """The generator's checkpoint tensor, drawn once per process (validation draws the same
-    weights for every version of a program)."""
-    return stored_random_tensor(cfg, name, spec, seed)
+    """The generator's checkpoint tensor, drawn once: validation draws the same weights for
+    every version of a program."""
+    draws, key = _draws(cfg), (name, spec, seed)
+    if key not in draws:
+        draws[key] = stored_random_tensor(cfg, name, spec, seed)
+    return draws[key]
 
 
 def random_parameters(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from k3compile.capture import PHASES, StepModule, build_step_model, drop_device_asserts, example_inputs, tracing_process_group
+from k3compile.capture import (
+    PHASES,
+    StepModule,
+    build_step_model,
+    drop_device_asserts,
+    example_inputs,
+    tracing_process_group,
+)
 from k3compile.config import PRESETS
 from k3compile.sharding import ParallelPlan
 from k3compile.stamping import export_stacked, structure_key
@@ -33,7 +40,8 @@ def _graph(gm: GraphModule) -> list[object]:
     """Everything of a graph module a pass, a record or the artifact can see."""
     lines: list[object] = [gm.code]
     for n in gm.graph.nodes:
-        meta = {k: _value(v) if k in ("val", "eager_input_vals") else v for k, v in n.meta.items() if k != "tensor_meta"}
+        meta = {k: _value(v) if k in ("val", "eager_input_vals") else v
+                for k, v in n.meta.items() if k != "tensor_meta"}
         lines.append((n.op, n.name, str(n.target), _arg(n.args), _arg(n.kwargs), sorted(n.meta), meta))
     for name, child in gm.named_children():
         lines.append(name)

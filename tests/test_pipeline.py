@@ -97,6 +97,48 @@ def test_random_step_inputs_are_valid_steps(captured):
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 
 
+def test_validation_steps_take_both_branches_of_the_gemm_dispatch():
+    """Per phase, one validation step below the dispatch's 16 tokens and one at or above it
+    (a decode step has a token per sequence; a prefill step three sequences)."""
+    from k3compile.model.gemm import FAST_MIN_TOKENS
+    from k3compile.validation import PREFILL_SEQS, VALIDATION_TOKENS
+
+    cfg, plan = PRESETS["tiny"], ParallelPlan()
+    for phase in ("decode", "prefill"):
+        counts = []
+        for tokens in VALIDATION_TOKENS:
+            seqs = tokens if phase == "decode" else PREFILL_SEQS
+            inputs = random_step_inputs(cfg, plan, phase, torch.float32, 16, num_seqs=seqs, min_tokens=tokens)
+            counts.append(inputs[0].shape[0])
+            assert inputs[0].shape[0] >= tokens and inputs[1][-1] == inputs[0].shape[0]
+        assert min(counts) < FAST_MIN_TOKENS <= max(counts), (phase, counts)
+
+
+def test_incremental_propagation_gives_what_a_full_one_gives():
+    """After every pass of the h200 pipeline at TP2 / DCP2 on MXFP4 experts (all seven
+    change the graph), the values and placements the pipeline recomputed only where a pass
+    changed something are those a propagation over the whole graph computes."""
+    from k3compile.pipeline import propagate_shapes
+    from k3compile.placement import propagate_placements
+
+    def meta(value):
+        if isinstance(value, torch.Tensor):
+            return str(value.shape), str(value.stride()), value.dtype
+        return tuple(map(meta, value)) if isinstance(value, (tuple, list)) else str(value)
+
+    plan = ParallelPlan(tp=2, dcp=2)
+    captured = capture(PRESETS["tiny"].replace(expert_format="mxfp4"), plan, torch.float32)
+    result = run_pipeline(captured.programs, captured.config, plan, captured.specs, PipelineOptions(target="h200"),
+                          constants=captured.constants)
+    assert len({r.pass_name for r in result.records if r.result.changed}) == 7
+    for program in captured.programs.values():
+        gm = program.graph_module
+        incremental = [(n.name, meta(n.meta.get("val")), n.meta.get("placement")) for n in gm.graph.nodes]
+        propagate_shapes(gm)
+        propagate_placements(gm, program, captured.specs, plan)
+        assert incremental == [(n.name, meta(n.meta.get("val")), n.meta.get("placement")) for n in gm.graph.nodes]
+
+
 def test_resolve_passes_order_and_errors():
     target = get_target("mi355x")
     assert [p.name for p in resolve_passes(target, PipelineOptions(target="mi355x"))] == [

@@ -259,7 +259,7 @@ def plan_command(
 ) -> None:
     """Per-GPU memory of a model under a parallel plan, with and without each pass that changes it.
 
-    Captures the decode graph on the meta device (no weights are read: a config is enough, the full K3 takes about a minute), runs the target's passes one at a time and reports, per GPU, the weights by kind as the runtime holds them (mxfp4 experts dequantised to the model dtype), the MLA latent KV cache and the KDA state for SEQUENCES x CONTEXT tokens, before the passes and after each pass that changed memory.
+    Captures the decode graph on the meta device (no weights are read: a config is enough; the full K3 takes about half a minute), runs the target's passes one at a time and reports, per GPU, the weights by kind as the runtime holds them (mxfp4 experts dequantised to the model dtype), the MLA latent KV cache and the KDA state for SEQUENCES x CONTEXT tokens, before the passes and after each pass that changed memory.
 
     Example: k3compile plan --preset k3 --tp 8 --context 131072 --target mi355x
     """

@@ -42,6 +42,8 @@ def reshard_parameter(ctx: PassContext, name: str, spec: ShardSpec) -> torch.fx.
 def _placeholder_of(program: ExportedProgram, name: str) -> torch.fx.Node | None:
     """The graph placeholder of lifted input ``name`` (a parameter or buffer), or None."""
     arg = next((s.arg.name for s in program.graph_signature.input_specs if s.target == name), None)
+    if arg is None:
+        return None
     return next((n for n in program.graph.find_nodes(op="placeholder", sort=False) if n.name == arg), None)
 
 
