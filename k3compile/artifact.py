@@ -57,7 +57,10 @@ replacing an existing artifact renames the old one away first and deletes it las
 failure leaves the old ``OUT`` or none, never a partial one. Loading checks format and
 version, every file's size and sha256, missing and unexpected files, the world size, and
 the source checkpoint's index hash, and raises :class:`ArtifactError` naming the file
-and field that is wrong.
+and field that is wrong. Loading the programs also refuses an artifact whose manifest
+names another torch release than the running one (``2.13.0+cpu`` and ``2.13.0+cu128``
+are one release), naming both, unless the caller passes ``check_torch="warn"`` (or
+``False``) or :data:`ALLOW_OTHER_TORCH` is set to 1; it then warns and loads.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
 #: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
 MANIFEST_SEAL = "manifest.sha256"
+#: Set to 1 to load an artifact written by another torch release with a warning instead
+#: of an error (the runtime and the CLI load with the default check).
+ALLOW_OTHER_TORCH = "K3COMPILE_ALLOW_OTHER_TORCH"
 
 #: Model dtypes an artifact may name (manifest string <-> torch dtype); never getattr.
 DTYPES: dict[str, torch.dtype] = {
@@ -465,6 +471,17 @@ def _verify_files(root: Path, info: ArtifactInfo, files: dict[str, dict[str, Any
             raise ArtifactError(f"{path}: sha256 {digest} differs from {MANIFEST} (the file was modified)")
 
 
+def _refuse_or_warn(problem: str | None, mode: bool | Literal["warn"]) -> None:
+    """Raise :class:`ArtifactError` for ``problem``, or with ``mode="warn"`` warn (at the
+    caller of ``read_artifact_info`` / ``load_artifact``)."""
+    if problem is None:
+        return
+    if mode == "warn":
+        warnings.warn(problem, ArtifactWarning, stacklevel=4)
+    else:
+        raise ArtifactError(problem)
+
+
 def _check_checkpoint(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
     if mode is False:
         return
@@ -478,12 +495,28 @@ def _check_checkpoint(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
             )
     except ArtifactError as e:
         problem = str(e)
-    if problem is None:
+    _refuse_or_warn(problem, mode)
+
+
+def torch_release(version: str) -> str:
+    """A torch version without its local build label: ``2.13.0+cu128`` -> ``2.13.0`` (the
+    CPU, CUDA and ROCm builds of one release read the same archives)."""
+    return version.split("+", 1)[0]
+
+
+def _check_torch(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
+    """Programs exported by another torch release are not guaranteed to load, or to run the
+    same: refuse them unless told otherwise (``mode``, or :data:`ALLOW_OTHER_TORCH`)."""
+    if mode is True and os.environ.get(ALLOW_OTHER_TORCH) == "1":
+        mode = "warn"
+    if mode is False or torch_release(info.torch_version) == torch_release(torch.__version__):
         return
-    if mode == "warn":
-        warnings.warn(problem, ArtifactWarning, stacklevel=3)
-    else:
-        raise ArtifactError(problem)
+    _refuse_or_warn(
+        f"{MANIFEST}: field 'torch_version' is {info.torch_version}, this is torch {torch.__version__}; "
+        f"programs exported by another torch release may not load or run the same. Recompile with this "
+        f"torch, or load anyway with check_torch='warn' ({ALLOW_OTHER_TORCH}=1 for the runtime and the CLI)",
+        mode,
+    )
 
 
 def read_artifact_info(
@@ -525,15 +558,20 @@ def load_artifact(
     out_dir: str | Path,
     world_size: int | None = None,
     check_checkpoint: bool | Literal["warn"] = True,
+    check_torch: bool | Literal["warn"] = True,
 ) -> LoadedArtifact:
     """Verify and load an artifact: its programs (without weights) and shard specs.
 
     ``check_checkpoint``: True raises if the source checkpoint's index changed or is
-    gone, ``"warn"`` warns (:class:`ArtifactWarning`), False skips the check."""
+    gone, ``"warn"`` warns (:class:`ArtifactWarning`), False skips the check.
+    ``check_torch``: the same for a manifest written by another torch release (the local
+    build label, ``+cu128``, does not count); :data:`ALLOW_OTHER_TORCH` set to 1 turns
+    True into ``"warn"``."""
     import k3compile.ops  # noqa: F401  (the programs call torch.ops.k3.*)
 
     root = Path(out_dir)
     info = read_artifact_info(root, world_size, check_checkpoint)
+    _check_torch(info, check_torch)
     specs: dict[str, ShardSpec] | None = None
     constants: dict[str, ShardOffset] | None = None
     for rank in range(info.tp):

@@ -16,6 +16,7 @@ import torch
 from k3compile.artifact_writer import save_artifact
 from k3compile.capture import PHASES, CapturedModel, capture
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter, load_checkpoint_config
+from k3compile.distributed import RankPools
 from k3compile.pipeline import PipelineOptions, PipelineResult, pass_configs, run_pipeline
 from k3compile.placement import propagate_placements
 from k3compile.sharding import ParallelPlan
@@ -82,8 +83,11 @@ def optimize(
     options: CompileOptions = CompileOptions(),
     overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
+    ranks: RankPools | None = None,
 ) -> CompileResult:
-    """Compile ``model_dir`` for ``options`` into the artifact directory ``out_dir``."""
+    """Compile ``model_dir`` for ``options`` into the artifact directory ``out_dir``.
+    Validation at TP > 1 runs on ``ranks`` when given (pools kept across compiles), else
+    on ranks started for this compile."""
     model_dir = Path(model_dir)
     say = on_step or (lambda _msg: None)
     cfg = load_checkpoint_config(model_dir)
@@ -100,7 +104,7 @@ def optimize(
         rtol=options.rtol, pass_configs=pass_configs(options.pass_configs),
     )
     validator = (
-        TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants)
+        TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants, ranks=ranks)
         if options.validate
         else None
     )

@@ -199,6 +199,37 @@ class RankPool:
         self.close()
 
 
+class RankPools:
+    """One :class:`RankPool` per world size, started on first use and kept for every later
+    job of that size (a pool whose job failed is replaced). For callers that run many
+    multi-rank jobs in one process, e.g. a test session or a notebook: starting ranks costs
+    seconds each time. Jobs must leave nothing in a rank that changes a later job (the DCP
+    groups are re-registered per plan; kernel registrations are process-wide, so a job that
+    registers kernels needs a pool of its own)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world: int) -> RankPool:
+        """The pool of ``world`` ranks, started now if there is none or the last one broke."""
+        pool = self._pools.get(world)
+        if pool is None or pool.broken:
+            pool = self._pools[world] = RankPool(world)
+        return pool
+
+    def close(self) -> None:
+        """Stop every pool."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    def __enter__(self) -> RankPools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """``fn(rank, world, *args)`` on each of ``world`` real gloo ranks in spawned processes
     (``fn`` must be importable), once; returns the results by rank (see :class:`RankPool`

@@ -41,7 +41,7 @@ from k3compile.batch import CacheShape, KDALayerCache, allocate_caches, flatten_
 from k3compile.checkpoint.generate import stored_random_tensor
 from k3compile.config import K3Config
 from k3compile.context_parallel import ContextLayout, localize_step, mla_cache_indices, program_layout
-from k3compile.distributed import init_context_parallel
+from k3compile.distributed import RankPool, RankPools, init_context_parallel
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
 
 
@@ -52,6 +52,12 @@ class ValidationReport:
     ok: bool
     errors: dict[str, float] = field(default_factory=dict)  # per compared tensor
     seconds: float = 0.0  # running the programs and comparing them
+    worst: str = ""  # the tensor with the largest error ("output0", "cache3@17": the second step's)
+    rank: int = 0  # the rank where it was largest
+
+    def where(self) -> str:
+        """Where the largest error is, for messages: ``cache3@17 on rank 1``."""
+        return f"{self.worst} on rank {self.rank}" if self.worst else "nothing compared"
 
 
 @functools.lru_cache(maxsize=1)
@@ -280,7 +286,7 @@ class TranslationValidator:
     spawned processes (the collectives in the graphs execute), each rank with its slice
     of the same random weights; the error is the worst over ranks. The ranks start at the
     first multi-rank run and serve every later one until :meth:`close` (or the end of a
-    ``with`` block).
+    ``with`` block); with ``ranks``, the caller's pools serve instead and outlive it.
 
     ``run_pipeline`` calls :meth:`run` on a program before the first pass that changes it
     and after every pass that changes it, and :meth:`compare` on consecutive runs; calling
@@ -293,16 +299,18 @@ class TranslationValidator:
         block_size: int = 16,
         constants: dict[str, ShardOffset] | None = None,
         tokens: tuple[int, ...] = VALIDATION_TOKENS,
+        ranks: RankPools | None = None,
     ):
         self.constants = constants or {}
         self.tokens = tokens
         self.rtol = rtol
         self.seed = seed
         self.block_size = block_size
-        self._pool = None  # the gloo ranks of multi-rank runs, started once for every pass and phase
+        self._pool: RankPool | None = None  # this validator's ranks, started once for every pass and phase
+        self._shared = ranks  # or the caller's pools, which outlive this validator
 
     def close(self) -> None:
-        """Stop the validation ranks (if any were started)."""
+        """Stop the validation ranks (if this validator started any)."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -313,9 +321,9 @@ class TranslationValidator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ranks(self, world: int):
-        from k3compile.distributed import RankPool
-
+    def _ranks(self, world: int) -> RankPool:
+        if self._shared is not None:
+            return self._shared.get(world)
         if self._pool is None or self._pool.world != world or self._pool.broken:
             self.close()
             self._pool = RankPool(world)
@@ -336,8 +344,11 @@ class TranslationValidator:
         mla = mla_cache_indices(ctx.config.layer_kinds)
         per_rank = [_compare_steps(b, a, self.tokens, mla) for b, a in zip(before.ranks, after.ranks)]
         errors = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-        worst = max(errors.values()) if errors else 0.0
-        return ValidationReport(worst, self.rtol, worst <= self.rtol, errors)
+        if not errors:
+            return ValidationReport(0.0, self.rtol, True)
+        worst = max(errors, key=errors.__getitem__)
+        rank = max(range(len(per_rank)), key=lambda r: per_rank[r][worst])
+        return ValidationReport(errors[worst], self.rtol, errors[worst] <= self.rtol, errors, worst=worst, rank=rank)
 
     def __call__(
         self,

@@ -41,3 +41,37 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):
 def model_dirs(ckpt):
     """model_dirs(preset, experts="bf16") -> Path of a generated checkpoint (seed 1)."""
     return lambda preset, experts="bf16": ckpt(preset, experts, seed=1, shard_bytes=256_000)
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """Gloo rank pools by world size, shared by every multi-rank test and validated compile
+    of the session (starting ranks costs seconds each time; k3compile.distributed.RankPools)."""
+    from k3compile.distributed import RankPools
+
+    with RankPools() as pools:
+        yield pools
+
+
+@pytest.fixture(scope="session")
+def compile_once(model_dirs, rank_pools, tmp_path_factory):
+    """compile_once(preset, experts="bf16", **options) -> the CompileResult of
+    ``model_dirs(preset, experts)`` compiled with ``CompileOptions(**options)``, once per
+    session. At TP1 it is translation-validated unless ``validate=False`` is asked (cheap
+    there, and one artifact then serves tests that check the pass records and tests that
+    only run it); at TP > 1 only when asked (validation runs on gloo ranks). Shared: a test
+    must not change the result or the artifact directory (copy it first)."""
+    from k3compile.compiler import CompileOptions, optimize
+
+    root = tmp_path_factory.mktemp("compiled")
+    cache: dict[str, object] = {}
+
+    def get(preset: str, experts: str = "bf16", **options):
+        options.setdefault("validate", options.get("tp", 1) == 1)
+        key = repr((preset, experts, CompileOptions(**options)))
+        if key not in cache:
+            out = root / f"{preset}-{experts}-{len(cache)}"
+            cache[key] = optimize(model_dirs(preset, experts), out, CompileOptions(**options), ranks=rank_pools)
+        return cache[key]
+
+    return get

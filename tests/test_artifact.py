@@ -9,6 +9,7 @@ import io
 import json
 import pickle
 import shutil
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from k3compile.artifact import (
+    ALLOW_OTHER_TORCH,
     FORMAT_NAME,
     FORMAT_VERSION,
     ArtifactError,
@@ -23,6 +25,7 @@ from k3compile.artifact import (
     check_no_pickle,
     load_artifact,
     read_artifact_info,
+    torch_release,
 )
 from k3compile.artifact_writer import save_artifact, write_manifest
 from k3compile.batch import CacheShape, flatten_caches
@@ -262,6 +265,33 @@ def test_edited_manifest_is_rejected(copy):
     (copy / "manifest.sha256").unlink()
     with pytest.raises(ArtifactError, match=r"manifest\.sha256: missing"):
         load_artifact(copy)
+
+
+def test_another_torch_release_is_refused_unless_overridden(copy, monkeypatch):
+    """The compiler's artifact with its manifest edited to name another torch release and
+    re-sealed (as a user who upgraded torch, or an attacker, would): loading refuses and
+    names both versions; check_torch="warn" or K3COMPILE_ALLOW_OTHER_TORCH=1 loads it with
+    a warning; another build of the same release (a local label) loads silently."""
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["torch_version"] = "2.99.0+cu130"
+    write_manifest(copy, manifest)
+    with pytest.raises(ArtifactError) as refused:
+        load_artifact(copy, world_size=1)
+    assert str(refused.value).startswith(
+        f"manifest.json: field 'torch_version' is 2.99.0+cu130, this is torch {torch.__version__}; ")
+    assert "check_torch='warn'" in str(refused.value) and f"{ALLOW_OTHER_TORCH}=1" in str(refused.value)
+    assert read_artifact_info(copy).torch_version == "2.99.0+cu130"  # the manifest alone still reads (inspect)
+    with pytest.warns(ArtifactWarning, match="torch_version' is 2.99.0"):
+        assert set(load_artifact(copy, world_size=1, check_torch="warn").programs) == {"decode", "prefill"}
+    monkeypatch.setenv(ALLOW_OTHER_TORCH, "1")
+    with pytest.warns(ArtifactWarning, match="torch_version' is 2.99.0"):
+        load_artifact(copy, world_size=1)
+    monkeypatch.delenv(ALLOW_OTHER_TORCH)
+    manifest["torch_version"] = torch_release(torch.__version__) + "+cu130"
+    write_manifest(copy, manifest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_artifact(copy, world_size=1)
 
 
 def test_missing_manifest(copy):

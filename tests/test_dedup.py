@@ -16,7 +16,6 @@ from k3compile.artifact import load_artifact
 from k3compile.capture import capture
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import get_preset
-from k3compile.distributed import RankPool
 from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
 from k3compile.pipeline import PassContext
 from k3compile.placement import propagate_placements
@@ -44,13 +43,14 @@ def _rank_run(rank: int, world: int, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
-def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp):
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.sweep)])
+def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp, rank_pools):
     model_dir = model_dirs("tiny", "mxfp4")
     plain, deduped = tmp_path / "plain", tmp_path / "dedup"
     others = ("remove_noops", "mxfp4_experts", "sink_copies")
     optimize(model_dir, plain, CompileOptions(tp=tp, dtype="float32", disable=(*others, "dedup_replicated_linear")))
-    result = optimize(model_dir, deduped, CompileOptions(tp=tp, dtype="float32", validate=True, disable=others))
+    result = optimize(model_dir, deduped, CompileOptions(tp=tp, dtype="float32", validate=True, disable=others),
+                      ranks=rank_pools)
 
     cfg = result.captured.config
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
@@ -70,8 +70,8 @@ def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp):
     assert targets.count("k3.add_rank_block_linear.default") == len(moe_layers)
     assert sum(1 for t in targets if "add_rank_block" in t) == len(moe_layers)
 
-    with RankPool(tp) as ranks:
-        base, opt = ranks.run(_rank_run, plain), ranks.run(_rank_run, deduped)
+    ranks = rank_pools.get(tp)
+    base, opt = ranks.run(_rank_run, plain), ranks.run(_rank_run, deduped)
     for (logits_b, tokens_b, rows_b, read_b), (logits_o, tokens_o, rows_o, read_o) in zip(base, opt):
         torch.testing.assert_close(logits_o, logits_b, rtol=1e-5, atol=1e-5 * logits_b.abs().max().item())
         assert tokens_o == tokens_b and all(len(t) == NEW_TOKENS for t in tokens_o)

@@ -30,12 +30,12 @@ PROMPTS = [[5, 9, 100, 7, 3], [17, 4], [300]]
 NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
-def compiled(model_dirs, tmp_path_factory):
+def compiled(model_dirs, compile_once, tmp_path_factory):
     """(plain, fused) CompileResults of tiny in fp32 (target cpu, where the pass is not on by
     default); the fused one validated."""
     model_dir = model_dirs("tiny")
     root = tmp_path_factory.mktemp("fuse_kda")
-    plain = optimize(model_dir, root / "plain", CompileOptions(dtype="float32"))
+    plain = compile_once("tiny", dtype="float32")
     fused = optimize(model_dir, root / "fused", CompileOptions(dtype="float32", validate=True,
                                                                 enable=(FuseKDADecode.name,)))
     return plain, fused
@@ -140,9 +140,9 @@ def test_op_schema_and_fake():
 
 
 @pytest.mark.slow
-def test_fused_at_tp2_validates_on_gloo_ranks(model_dirs, tmp_path):
+def test_fused_at_tp2_validates_on_gloo_ranks(model_dirs, tmp_path, rank_pools):
     result = optimize(model_dirs("tiny"), tmp_path / "tp2", CompileOptions(
-        tp=2, dtype="float32", validate=True, enable=(FuseKDADecode.name,)))
+        tp=2, dtype="float32", validate=True, enable=(FuseKDADecode.name,)), ranks=rank_pools)
     decode = next(r for r in result.pipeline.records if r.pass_name == FuseKDADecode.name)
     assert decode.result.matches == _kda_layers(result)
     assert decode.report.ok and decode.report.max_error == 0.0  # on 2 gloo ranks

@@ -166,7 +166,6 @@ def test_prefill_bf16_io() -> None:
 
 
 def test_recurrent_matches_fla_naive_recurrent() -> None:
-    pytest.importorskip("fla")
     from fla.ops.kda.naive import naive_recurrent_kda
 
     gen = _gen(6)
@@ -185,7 +184,6 @@ def test_recurrent_matches_fla_naive_recurrent() -> None:
 
 
 def test_prefill_op_matches_fla_naive_chunk() -> None:
-    pytest.importorskip("fla")
     from fla.ops.kda.naive import naive_chunk_kda
 
     gen = _gen(7)
@@ -207,7 +205,6 @@ def test_prefill_op_matches_fla_naive_chunk() -> None:
 
 
 def test_gate_matches_fla() -> None:
-    pytest.importorskip("fla")
     from fla.ops.kda.gate import naive_kda_lowerbound_gate
 
     gen = _gen(8)

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from k3compile.cli import app
+from k3compile.cli.render import human_bytes
 from k3compile.config import get_preset
 from k3compile.memory import MemoryOptions, plan_memory, weight_kind
 from k3compile.passes.sink_copies import COND, copies_confined_to_one_branch
@@ -21,11 +22,13 @@ def _moe_layers(cfg) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
-def _expected_caches(cfg, tp: int, context: int, sequences: int, block: int, dcp: int = 1) -> tuple[int, int]:
+def _expected_caches(cfg, tp: int, context: int, sequences: int, block: int, dcp: int = 1,
+                     interleave: int = 1) -> tuple[int, int]:
     lin = cfg.linear_attn
     n_mla = sum(k == "mla" for k in cfg.layer_kinds)
     n_kda = cfg.num_hidden_layers - n_mla
-    stored = math.ceil(context / dcp)  # DCP member 0's share of the positions (interleave 1)
+    # DCP member 0's share of the positions (the largest): runs of `interleave` in turn.
+    stored = sum((p // interleave) % dcp == 0 for p in range(context))
     mla = n_mla * sequences * math.ceil(stored / block) * block * cfg.mla_cache_width * 2  # bf16
     heads = lin.num_heads // tp
     conv = 3 * heads * lin.head_dim * (lin.short_conv_kernel_size - 1) * 2  # q, k, v conv states, bf16
@@ -87,6 +90,25 @@ def test_plan_tiny_dcp2_halves_the_mla_cache():
     assert after.mla_kv == _expected_caches(cfg, 2, context, seqs, block, dcp=2)[0] == before.mla_kv // 2
     assert plan.saved_by("split_mla_context") == before.mla_kv // 2
     assert (after.weights, after.kda_state) == (before.weights, before.kda_state)
+
+
+def test_plan_cli_with_a_dcp_interleave_reports_member_0s_share_of_the_history():
+    """--dcp 2 --dcp-interleave 32 over 96 tokens: member 0 owns positions 0-31 and 64-95
+    (64: 4 blocks of 16), member 1 32-63. The plan reports member 0's share, the larger,
+    where interleave 1 would give 48 positions (3 blocks)."""
+    cfg = get_preset("tiny")
+    result = CliRunner().invoke(app, ["plan", "--preset", "tiny", "--tp", "2", "--dcp", "2", "--dcp-interleave", "32",
+                                      "--context", "96", "--sequences", "2", "--target", "cpu", "--block-size", "16"])
+    assert result.exit_code == 0, result.output
+    before = _expected_caches(cfg, 2, 96, 2, 16)[0]
+    after = _expected_caches(cfg, 2, 96, 2, 16, dcp=2, interleave=32)[0]
+    width = cfg.mla_cache_width * 2  # bf16 bytes per position
+    assert (before, after) == (3 * 2 * 96 * width, 3 * 2 * 64 * width)  # 3 MLA layers x 2 sequences
+    assert _expected_caches(cfg, 2, 96, 2, 16, dcp=2)[0] == 3 * 2 * 48 * width  # interleave 1
+    row = next(line for line in result.stdout.splitlines() if "MLA latent KV" in line)
+    cells = [human_bytes(v) for v in (before, before, after, before - after)]  # no passes, dedup, split, saved
+    assert " ".join(row.split()) == " ".join(["MLA latent KV (3 layers)", *cells])
+    assert cells == ["45.0 KiB", "45.0 KiB", "30.0 KiB", "15.0 KiB"]
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from k3compile import runtime
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
-from k3compile.checkpoint.mxfp4 import unpack_mxfp4
 from k3compile.cli import app
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import get_preset
@@ -25,10 +24,10 @@ def _expert_params(program) -> dict[str, torch.Tensor]:
     return {n: t for n, t in program.state_dict.items() if ".experts." in n}
 
 
-def test_pass_keeps_experts_packed_and_is_exact(model_dirs, tmp_path):
+def test_pass_keeps_experts_packed_and_is_exact(compile_once):
     cfg = get_preset("tiny")
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    result = optimize(model_dirs("tiny", "mxfp4"), tmp_path / "a", CompileOptions(dtype="float32", validate=True))
+    result = compile_once("tiny", "mxfp4", dtype="float32")  # validated
     records = [r for r in result.pipeline.records if r.pass_name == "mxfp4_experts"]
     assert [r.phase for r in records] == ["decode", "prefill"]
     for r in records:
@@ -53,10 +52,9 @@ def test_pass_keeps_experts_packed_and_is_exact(model_dirs, tmp_path):
     assert saved == moe_layers * 3 * E * I * D * (4 - (0.5 + 1 / 32))
 
 
-def test_runtime_holds_the_checkpoint_bytes(model_dirs, tmp_path):
+def test_runtime_holds_the_checkpoint_bytes(model_dirs, compile_once):
     model_dir = model_dirs("tiny", "mxfp4")
-    optimize(model_dir, tmp_path / "a", CompileOptions(dtype="float32"))
-    rt = runtime.load(tmp_path / "a", rank=0, world_size=1, options=OPTIONS)
+    rt = runtime.load(compile_once("tiny", "mxfp4", dtype="float32").out_dir, rank=0, world_size=1, options=OPTIONS)
     from safetensors import safe_open
 
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
@@ -67,13 +65,13 @@ def test_runtime_holds_the_checkpoint_bytes(model_dirs, tmp_path):
     assert held.dtype == torch.uint8 and torch.equal(held, stored)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-h24", "tiny-linear"])
-def test_greedy_tokens_are_the_same_with_the_pass_on_and_off(model_dirs, tmp_path, preset):
-    model_dir = model_dirs(preset, "mxfp4")
+@pytest.mark.parametrize("preset", ["tiny", *(pytest.param(p, marks=pytest.mark.sweep) for p in ("tiny-h24", "tiny-linear"))])
+def test_greedy_tokens_are_the_same_with_the_pass_on_and_off(model_dirs, compile_once, tmp_path, preset):
+    off = tmp_path / "off"
+    optimize(model_dirs(preset, "mxfp4"), off, CompileOptions(dtype="float32", disable=("mxfp4_experts",)))
     tokens = {}
-    for label, disable in (("on", ()), ("off", ("mxfp4_experts",))):
-        optimize(model_dir, tmp_path / label, CompileOptions(dtype="float32", disable=disable))
-        rt = runtime.load(tmp_path / label, rank=0, world_size=1, options=OPTIONS)
+    for label, out in (("on", compile_once(preset, "mxfp4", dtype="float32").out_dir), ("off", off)):
+        rt = runtime.load(out, rank=0, world_size=1, options=OPTIONS)
         tokens[label] = rt.generate(PROMPTS, 12)
         assert any(".experts.w1" in n for n in rt.weights)
     assert tokens["on"] == tokens["off"]
@@ -101,6 +99,27 @@ def test_mxfp4_split_that_cuts_scale_groups_names_tp_and_the_degrees_that_work(t
     assert "--tp 4:" in message and "MXFP4 scale groups of 32" in message
     assert "tensor-parallel degrees that keep whole groups: 1, 2" in message
     assert not (tmp_path / "a").exists()
+
+
+def test_an_expert_width_that_cuts_mxfp4_groups_is_refused_before_anything_is_written(model_dirs, tmp_path):
+    """An MXFP4 checkpoint whose config.json gives the routed experts an intermediate width
+    of 48 (one and a half scale groups of 32): optimize and plan refuse it, naming the
+    field, the rule and the value, and optimize leaves nothing behind (no OUT, no
+    temporary sibling)."""
+    import shutil
+
+    model = shutil.copytree(model_dirs("tiny", "mxfp4"), tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["moe_intermediate_size"] = 48
+    (model / "config.json").write_text(json.dumps(config))
+    problem = ("field 'text_config.moe_intermediate_size' must be a multiple of 32 with mxfp4 experts "
+               "(one scale per 32 values), got 48")
+    for command in (["optimize", str(model), "-o", str(tmp_path / "a")], ["plan", str(model), "--tp", "1"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        message = " ".join(result.stderr.split())
+        assert problem in message and "config.json" in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_plan_k3_tp8_fits_an_mi355x_with_mxfp4_experts():
@@ -147,19 +166,18 @@ def _generate_on_rank(rank: int, world: int, artifact) -> tuple[list[list[int]],
 
 
 @pytest.mark.slow
-def test_tp2_ranks_hold_their_slice_and_greedy_tokens_match_the_pass_off(model_dirs, tmp_path):
+def test_tp2_ranks_hold_their_slice_and_greedy_tokens_match_the_pass_off(model_dirs, compile_once, tmp_path,
+                                                                        rank_pools):
     """TP2 on gloo: the same tokens with the pass on and off, and each rank holds its half
     of w2's input dim as the checkpoint's bytes: codes and scale groups, nothing else."""
     from safetensors import safe_open
 
-    from k3compile.distributed import RankPool
-
     model_dir = model_dirs("tiny", "mxfp4")
     runs = {}
-    with RankPool(2) as ranks:
-        for label, disable in (("on", ()), ("off", ("mxfp4_experts",))):
-            optimize(model_dir, tmp_path / label, CompileOptions(tp=2, dtype="float32", disable=disable))
-            runs[label] = ranks.run(_generate_on_rank, tmp_path / label)
+    optimize(model_dir, tmp_path / "off", CompileOptions(tp=2, dtype="float32", disable=("mxfp4_experts",)))
+    ranks = rank_pools.get(2)
+    runs["on"] = ranks.run(_generate_on_rank, compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir)
+    runs["off"] = ranks.run(_generate_on_rank, tmp_path / "off")
     assert runs["on"][0][0] == runs["on"][1][0] == runs["off"][0][0]
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     I = get_preset("tiny").moe_intermediate_size

@@ -182,13 +182,13 @@ def test_shape_check_rejects_a_broken_graph(captured, monkeypatch):
 
 
 @pytest.mark.slow
-def test_validation_runs_across_ranks_at_tp2(monkeypatch):
+def test_validation_runs_across_ranks_at_tp2(monkeypatch, rank_pools):
     """At TP2 the graphs run on two gloo ranks: an exact pass validates to zero error and
     a wrong one is caught."""
     import k3compile.passes as passes
 
     tp2 = capture(PRESETS["tiny"], ParallelPlan(tp=2, rank=0), torch.float32, phases=("decode",))
-    validator = TranslationValidator(constants=tp2.constants)
+    validator = TranslationValidator(constants=tp2.constants, ranks=rank_pools)
     good = run_pipeline(copy.deepcopy(tp2.programs), tp2.config, tp2.plan, dict(tp2.specs),
                         PipelineOptions(validate=True, disable=("mxfp4_experts", "dedup_replicated_linear", "sink_copies")),
                         validator=validator)

@@ -13,7 +13,6 @@ from torch.fx import GraphModule
 from k3compile import runtime
 from k3compile.batch import CacheShape
 from k3compile.compiler import CompileOptions, optimize
-from k3compile.distributed import RankPool
 from k3compile.pipeline import GraphPass, PassContext, PassResult, reshard_parameter
 from k3compile.reference import ReferenceEngine, load_reference
 
@@ -71,13 +70,14 @@ def _rank_logits(rank: int, world: int, out):
 
 
 @pytest.mark.slow
-def test_resharded_parameter_validates_loads_and_runs_at_tp2(model_dirs, tmp_path, with_test_pass):
+def test_resharded_parameter_validates_loads_and_runs_at_tp2(model_dirs, tmp_path, with_test_pass, rank_pools):
     model_dir = model_dirs("tiny")
     out = tmp_path / "resharded"
     # Only the test pass: the dedup pass would already have split the same weight.
     only = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies")
     result = optimize(model_dir, out, CompileOptions(tp=2, dtype="float32", validate=True,
-                                                     enable=("gather_up_projection_rows",), disable=only))
+                                                     enable=("gather_up_projection_rows",), disable=only),
+                      ranks=rank_pools)
     records = [r for r in result.pipeline.records if r.pass_name == "gather_up_projection_rows"]
     cfg = result.captured.config
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
@@ -87,8 +87,8 @@ def test_resharded_parameter_validates_loads_and_runs_at_tp2(model_dirs, tmp_pat
     optimize(model_dir, plain, CompileOptions(tp=2, dtype="float32", disable=only))
 
     reference = ReferenceEngine(load_reference(model_dir), CacheShape(4, 16, 16)).prefill(PROMPTS)[1]
-    with RankPool(2) as ranks:
-        resharded, baseline = ranks.run(_rank_logits, out), ranks.run(_rank_logits, plain)
+    ranks = rank_pools.get(2)
+    resharded, baseline = ranks.run(_rank_logits, out), ranks.run(_rank_logits, plain)
     for (logits, rows, read), (_, full_rows, base_read) in zip(resharded, baseline):
         torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
         assert rows * 2 == full_rows == cfg.hidden_size  # each rank holds half of the rows...

@@ -10,11 +10,9 @@ import torch
 
 from k3compile import runtime
 from k3compile.batch import CacheShape
-from k3compile.compiler import CompileOptions, optimize
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams
 from k3compile.runtime.sampling import sample
-from k3compile.distributed import run_ranks
 
 PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 90, 11], [17], [300, 301, 302]]
 NEW_TOKENS = 16
@@ -27,10 +25,8 @@ def model_dir(model_dirs) -> Path:
 
 
 @pytest.fixture(scope="module")
-def artifact_tp1(model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("art") / "tiny-tp1"
-    optimize(model_dir, out, CompileOptions(tp=1, dtype="float32", validate=True))
-    return out
+def artifact_tp1(compile_once) -> Path:
+    return compile_once("tiny", "mxfp4", dtype="float32").out_dir  # validated
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +58,10 @@ def _rank_main(rank: int, world: int, out: Path):
 
 
 @pytest.mark.slow
-def test_artifact_reproduces_reference_at_tp2(model_dir, reference, tmp_path):
+def test_artifact_reproduces_reference_at_tp2(compile_once, reference, rank_pools):
     ref_logits, ref_tokens = reference
-    out = tmp_path / "tiny-tp2"
-    optimize(model_dir, out, CompileOptions(tp=2, dtype="float32"))
-    for logits, tokens in run_ranks(_rank_main, 2, out):
+    out = compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir
+    for logits, tokens in rank_pools.get(2).run(_rank_main, out):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max().item())
         assert tokens == ref_tokens
 

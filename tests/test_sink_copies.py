@@ -138,11 +138,11 @@ def _copy_kernels(out, batch: int) -> tuple[int, list[int]]:
 
 
 @pytest.mark.slow
-def test_tiny_k3_decode_step_loses_its_staging_copies(model_dirs, tmp_path):
+def test_tiny_k3_decode_step_loses_its_staging_copies(model_dirs, compile_once, tmp_path):
     model_dir = model_dirs("tiny")
-    plain, sunk = tmp_path / "plain", tmp_path / "sunk"
+    plain = tmp_path / "plain"
     optimize(model_dir, plain, CompileOptions(dtype="float32", disable=("sink_copies",)))
-    result = optimize(model_dir, sunk, CompileOptions(dtype="float32", validate=True))  # both outcomes
+    result = compile_once("tiny", dtype="float32")  # validated: both outcomes
     records = [r for r in result.pipeline.records if r.pass_name == "sink_copies"]
     kda_layers = sum(k == "kda" for k in result.captured.config.layer_kinds)
     assert [r.result.stats["copies_moved"] for r in records] == [kda_layers] * 2
@@ -153,7 +153,7 @@ def test_tiny_k3_decode_step_loses_its_staging_copies(model_dirs, tmp_path):
 
     for batch in (2, 17):  # the fallback (GEMV) and the fast path
         copies_before, tokens_before = _copy_kernels(plain, batch)
-        copies_after, tokens_after = _copy_kernels(sunk, batch)
+        copies_after, tokens_after = _copy_kernels(result.out_dir, batch)
         assert tokens_after == tokens_before
         assert copies_before == 2 * kda_layers  # new_zeros + slice_scatter per KDA layer
         assert copies_after == (0 if batch < 16 else 2 * kda_layers)

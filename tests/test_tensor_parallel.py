@@ -11,7 +11,6 @@ from k3compile.batch import CacheShape
 from k3compile.distributed import world_tp_group
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.sharding import ParallelPlan
-from k3compile.distributed import run_ranks
 
 PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 90, 11], [17], [300, 301, 302]]
 NEW_TOKENS = 16
@@ -32,12 +31,13 @@ def _rank_main(rank: int, world: int, model_dir: Path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "preset,experts,tp", [("tiny", "mxfp4", 2), ("tiny", "bf16", 4), ("tiny-h24", "bf16", 2)]
+    "preset,experts,tp",
+    [("tiny", "mxfp4", 2), pytest.param("tiny", "bf16", 4, marks=pytest.mark.sweep), ("tiny-h24", "bf16", 2)]
 )
-def test_tp_matches_tp1(model_dirs, preset, experts, tp):
+def test_tp_matches_tp1(model_dirs, preset, experts, tp, rank_pools):
     model_dir = model_dirs(preset, experts)
     ref_logits, ref_tokens = prefill_and_generate(model_dir, ParallelPlan())
-    results = run_ranks(_rank_main, tp, model_dir)
+    results = rank_pools.get(tp).run(_rank_main, model_dir)
     for rank, (logits, tokens) in enumerate(results):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max().item())
         assert tokens == ref_tokens, f"rank {rank}"

@@ -53,7 +53,13 @@ GRAPH_FACTS: tuple[str, ...] = typing.get_args(GraphFact)
 
 
 class PassError(RuntimeError):
-    """A pass broke the graph (lint, shapes) or changed its numerics beyond tolerance."""
+    """A pass broke the graph (lint, shapes) or changed its numerics beyond tolerance;
+    ``report`` is then the failed validation report (per-tensor errors, the worst one's
+    tensor and rank)."""
+
+    def __init__(self, message: str, report: Any = None):
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,8 @@ def run_pipeline(
                 if not report.ok:
                     raise PassError(
                         f"pass {graph_pass.name} changed the {phase} graph's numerics: max error "
-                        f"{report.max_error:.3e} exceeds tolerance {report.tolerance:.3e}"
+                        f"{report.max_error:.3e} ({report.where()}) exceeds tolerance {report.tolerance:.3e}",
+                        report=report,
                     )
             records.append(PassRecord(graph_pass.name, phase, before, latest[phase], result, report, seconds))
         if after_pass:
