@@ -15,6 +15,10 @@ for its share of ``max_context``, its block tables and slot mappings are its own
 it does not own go to the scratch block), and its DCP process group is registered under
 the name the programs' collectives use. Prefill then starts new sequences only.
 
+The k3 ops run their Triton kernels on GPUs and their torch references on the CPU, or
+as ``RuntimeOptions.kernels`` chooses (:data:`KERNELS`; "triton" on the CPU runs the
+GPU's kernels under Triton's interpreter, for tests).
+
 On GPU, decode runs under CUDA/HIP graphs, one per batch bucket (1, 2, 4, ... up to the
 slot count): the step's metadata is copied into static buffers and the graph replayed.
 Prefill runs eagerly (its packed shapes vary).
@@ -43,10 +47,17 @@ from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan
 
-__all__ = ["Runtime", "RuntimeOptions", "load", "RequestError"]
+__all__ = ["KERNELS", "Runtime", "RuntimeOptions", "load", "RequestError"]
 
 SCRATCH_SLOT = 0
 SCRATCH_BLOCK = 0
+
+
+#: What runs the k3 ops (``RuntimeOptions.kernels``): "auto" the Triton kernels on GPUs and
+#: the torch references on the CPU; "reference" the torch references everywhere; "triton"
+#: the Triton kernels everywhere, on the CPU under Triton's interpreter (TRITON_INTERPRET=1
+#: before triton is first imported: slow, for tests of the GPU dispatch without a GPU).
+KERNELS = ("auto", "reference", "triton")
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,12 @@ class RuntimeOptions:
     device: str | None = None  # default: cuda:<local rank> if available, else cpu
     cuda_graphs: bool | None = None  # default: on for GPU devices
     check_checkpoint: bool = True
+    kernels: str = "auto"  # one of KERNELS
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"RuntimeOptions.kernels: unknown choice {self.kernels!r}; "
+                             f"choose one of {', '.join(KERNELS)}")
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -78,6 +95,25 @@ def resolve_device(name: str | None) -> torch.device:
 def _device(options: RuntimeOptions) -> torch.device:
     """The options' device (:func:`resolve_device`)."""
     return resolve_device(options.device)
+
+
+def use_kernels(kernels: str, device: torch.device) -> bool:
+    """Make the k3 ops run as ``kernels`` (one of :data:`KERNELS`) on ``device``; returns
+    whether they run the Triton kernels. Registration is process-wide and cannot be undone,
+    so "reference" is refused where this process already registered the kernels (the
+    runtime would silently run them)."""
+    from k3compile.runtime import kernels as triton_kernels  # imports no Triton until it registers
+
+    triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+    if triton:
+        # The k3 ops' Triton kernels instead of their torch references (MLA and KDA decode,
+        # DCP merges, RMSNorm and add_rank_block, routing and the MXFP4 experts without host
+        # syncs); on the CPU under Triton's interpreter (a ValueError without it).
+        triton_kernels.register_gpu_kernels(device.type)
+    elif triton_kernels.registered(device.type):
+        raise ValueError(f"kernels={kernels!r}: this process already runs the k3 ops' Triton kernels on "
+                         f"{device.type} (registered for good); use a fresh process for the torch references")
+    return triton
 
 
 def init_distributed(world_size: int, device: torch.device) -> int:
@@ -133,6 +169,7 @@ class Runtime:
         self.rank = rank
         self.device = device
         self.options = options
+        self.triton_kernels = use_kernels(options.kernels, device)
         self.plan = artifact.plan(rank)
         self.layout = ContextLayout.of(self.plan)
         init_context_parallel(self.plan)
@@ -148,12 +185,6 @@ class Runtime:
         self.weights, self.load_report = load_rank_weights(
             artifact, artifact.programs["decode"], self.plan, device, on_progress
         )
-        if device.type == "cuda":
-            from k3compile.runtime.kernels import register_gpu_kernels
-
-            # The k3 ops' Triton kernels instead of their torch references (MLA and KDA decode,
-            # DCP merges, RMSNorm and add_rank_block, routing and the MXFP4 experts without host syncs).
-            register_gpu_kernels(device.type)
         self.modules = {}
         for phase, program in artifact.programs.items():
             module = program.module()
@@ -309,6 +340,7 @@ def load(
         # Triton launches on the current device and NCCL binds each rank to it: make it
         # this rank's GPU (rank 1's tensors on cuda:1 would otherwise meet kernels on cuda:0).
         torch.cuda.set_device(device)
+    use_kernels(options.kernels, device)  # before the artifact: a refused choice costs no load time
     info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
     if rank is None:

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3compile.cli.app import USAGE_ERROR, UserError, app, console, err_console, fail, warn
-from k3compile.cli.options import PromptFileOption, PromptOption, at_least_one, read_prompts
+from k3compile.cli.options import PromptFileOption, PromptOption, at_least_one, choice, read_prompts
 from k3compile.cli.render import (
     capture_text,
     config_label,
@@ -262,12 +262,22 @@ def run_command(
             help="On a GPU, replay decode steps as CUDA/HIP graphs. Example: --no-cuda-graphs",
         ),
     ] = True,
+    kernels: Annotated[
+        str,
+        typer.Option(
+            help="What runs the k3 ops: auto (the Triton kernels on a GPU, the torch references on the CPU), "
+            "reference (the torch references everywhere) or triton (the Triton kernels everywhere: on the CPU "
+            "under Triton's interpreter, slow, to test the GPU code path without a GPU). Example: --kernels triton",
+        ),
+    ] = "auto",
 ) -> None:
     """Load a compiled artifact with the runtime and generate tokens.
 
     Reads this rank's weights from the checkpoint the artifact was compiled from, prefills all prompts in one step, then decodes them together, one token per step. Prompts are token ids (there is no tokenizer). Prints each prompt's new tokens and the timing: load, prefill, and decode per token (the first steps include one-time warm-up).
 
     An artifact compiled with --tp N runs on N processes, started by torchrun: torchrun --nproc-per-node N -m k3compile run OUT (only rank 0 prints).
+
+    --kernels triton on the CPU runs the GPU's Triton kernels under Triton's interpreter (slow; tiny models only): the GPU code path, checked without a GPU.
 
     Example: k3compile run ./tiny.k3c --prompt "1 2 3" --prompt "7 8" --max-new-tokens 4
     """
@@ -276,7 +286,7 @@ def run_command(
     from k3compile.artifact import ArtifactError
     from k3compile.checkpoint.loader import CheckpointError
     from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load
-    from k3compile.runtime.engine import resolve_device
+    from k3compile.runtime.engine import KERNELS, resolve_device
 
     distributed = os.environ.get("WORLD_SIZE") is not None
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
@@ -295,6 +305,10 @@ def run_command(
                 resolve_device(device)
             except ValueError as e:
                 raise UserError(f"--device: {e}") from None
+        choice(kernels, KERNELS, "--kernels", "choice")
+        if kernels == "triton" and resolve_device(device).type == "cpu":
+            # The interpreter is chosen when triton is first imported: nothing has imported it yet.
+            os.environ["TRITON_INTERPRET"] = "1"
         info = read_info(out, check_checkpoint=False)
         run_with = f"'torchrun --nproc-per-node {info.tp} -m k3compile run {out}'"
         if not distributed and info.tp > 1:
@@ -311,7 +325,7 @@ def run_command(
                 )
         options = RuntimeOptions(
             max_sequences=len(prompts), max_context=max_context, device=device,
-            cuda_graphs=None if cuda_graphs else False,
+            cuda_graphs=None if cuda_graphs else False, kernels=kernels,
         )
 
         start = time.perf_counter()
@@ -331,6 +345,7 @@ def run_command(
         # CUDA graphs that captured NCCL collectives must go before the process group: on
         # two H200s destroy_process_group hung with them alive.
         on_device, with_graphs = rt.device, rt.graphs is not None
+        interpreted = rt.triton_kernels and on_device.type == "cpu"
         rt.close()
     except (UserError, ArtifactError, CheckpointError, ConfigError, RequestError) as e:
         if dist.is_initialized():
@@ -345,6 +360,7 @@ def run_command(
             f"[bold]{escape(str(out))}[/]: {config_label(cfg)}, tp {info.tp}{f', dcp {info.dcp}' if info.dcp > 1 else ''}, "
             f"{dtype_name(info.dtype)}, target {escape(info.target)}, on {on_device}"
             + (" with CUDA graphs" if with_graphs else "")
+            + (" with the Triton kernels under Triton's interpreter" if interpreted else "")
             + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}",
             soft_wrap=True,
         )

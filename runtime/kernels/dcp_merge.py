@@ -24,8 +24,10 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.ops import dcp as dcp_ops
+from k3compile.runtime.kernels import counted
 
 
+@counted
 @triton.jit
 def _dcp_rescale_kernel(o_ptr, lse_ptr, lse_all_ptr, out_ptr, B, H, D,
                         DCP: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -63,6 +65,7 @@ def dcp_rescale(o: Tensor, lse: Tensor, lse_gathered: Tensor, dcp: int) -> Tenso
     return out
 
 
+@counted
 @triton.jit
 def _dcp_pack_kernel(o_ptr, lse_ptr, out_ptr, B, H, D, DCP: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, head): out[head // h, b, head % h, :D] = o[b, head], [..., D] = lse[b, head]
@@ -77,6 +80,7 @@ def _dcp_pack_kernel(o_ptr, lse_ptr, out_ptr, B, H, D, DCP: tl.constexpr, BLOCK_
     tl.store(dst + D, tl.load(lse_ptr + b * H + head))
 
 
+@counted
 @triton.jit
 def _dcp_merge_kernel(rows_ptr, out_ptr, B, h, D, DCP: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, j): out[b, j] = sum_k exp(lse_k - logsumexp lse) o_k over the DCP rows

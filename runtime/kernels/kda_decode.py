@@ -18,7 +18,8 @@ as captured graphs keep their addresses.
 On CPU the launcher runs only under the Triton interpreter: ``TRITON_INTERPRET=1`` set before
 triton is first imported in the process (triton.language's own jit functions, ``tl.sum`` and
 ``tl.sigmoid``, are built then). The runtime uses the torch reference on CPU
-(``k3compile.ops.kda_fused.kda_decode_chain_reference``, the op's default implementation).
+(``k3compile.ops.kda_fused.kda_decode_chain_reference``, the op's default implementation)
+unless asked for the Triton kernels there (``RuntimeOptions.kernels="triton"``).
 
 :func:`register_kernels` makes :func:`kda_decode_fused_op` (argument preparation, then this
 launcher) the implementation of ``k3::kda_decode_fused`` on a device type.

@@ -90,6 +90,7 @@ import triton
 import triton.language as tl
 
 from k3compile.ops.kda import L2NORM_EPS
+from k3compile.runtime.kernels import counted
 
 __all__ = ["kda_decode_kernel"]
 
@@ -226,6 +227,7 @@ def _value_tile(
     return o.to(tl.float32)
 
 
+@counted
 @triton.jit
 def kda_decode_kernel(
     q_ptr, k_ptr, v_ptr,  # [B, H*D], [B, H*D], [B, H*DV] projections (pre-conv), model dtype

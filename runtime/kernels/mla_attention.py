@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 from k3compile.runtime.kernels.mla_common import (
     _DTYPES,
@@ -39,6 +40,7 @@ from k3compile.runtime.kernels.mla_common import (
 )
 
 
+@counted
 @triton.jit
 def _mla_attention_kernel(
     q_ptr, kv_ptr, cu_seqlens_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,

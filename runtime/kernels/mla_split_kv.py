@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 from k3compile.runtime.kernels.mla_common import (
     _DTYPES,
@@ -88,6 +89,7 @@ def _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, scale_l
 
 # num_splits and the block table's width vary with batch and context; specialising them
 # (multiple of 16 or not) would only compile the same kernel twice.
+@counted
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])
 def _mla_decode_split_kv_kernel(
     q_ptr, kv_ptr, lat_desc, pe_desc, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
@@ -195,6 +197,7 @@ def _mla_decode_split_kv_kernel(
     tl.store(lse_ptr + n.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=head_ok)
 
 
+@counted
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,

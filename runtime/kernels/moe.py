@@ -83,7 +83,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
-from k3compile.runtime.kernels import routing
+from k3compile.runtime.kernels import counted, routing
 from k3compile.runtime.kernels.counters import ArrivalCounters
 from k3compile.runtime.kernels.moe_plans import (  # noqa: F401  (the plans are part of this module's API)
     PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, device_target, grouped_blocks,
@@ -97,6 +97,7 @@ COMBINE_BLOCK = 1024  # output columns per combine program, one token each (56 r
 # --------------------------------------------------------------------------- kernels
 
 
+@counted
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_blocks, BLOCK_M,
                   E_POW2: tl.constexpr, CHUNK: tl.constexpr):
@@ -173,6 +174,7 @@ def _mxfp4_fma_step(acc, q, s, x_ptrs, shifts, BLOCK_N: tl.constexpr, BLOCK_K: t
     return acc + group * 16384.0 * scale
 
 
+@counted
 @triton.jit
 def _expert_gemm_kernel(
     x_ptr,  # GLU: z [T, KD]; else h [P, KD]
@@ -349,6 +351,7 @@ def _expert_gemm_kernel(
         tl.store(out_ptr + out_off, acc_a, mask=out_mask)
 
 
+@counted
 @triton.jit
 def _combine_kernel(y_ptr, weights_ptr, out_ptr, T, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_D: tl.constexpr, ROUND_BY_HAND: tl.constexpr):

@@ -20,12 +20,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 
 MAX_EXPERTS = 4096  # one register row per token in the routing kernel
 ROUTE_WARPS = 4  # one token's 896 scores per program (H200: 5.5 us at 4 warps, 9.3 at 1)
 
 
+@counted
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):

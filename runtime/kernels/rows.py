@@ -60,7 +60,8 @@ the norm weight and eps, and the pass matching the norm: a graph change, not don
 
 :func:`register_kernels` makes them the GPU implementations of the k3 ops
 (``k3compile.runtime.kernels.register_gpu_kernels`` calls it when the runtime runs on a
-GPU; the ops' torch references stay the CPU implementations and the numerical truth).
+GPU; the ops' torch references stay the CPU implementations and the numerical truth,
+unless the runtime is asked for these kernels on the CPU, under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.counters import ArrivalCounters
 
 
+@counted
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, width, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -89,6 +92,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, width, eps, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * width + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@counted
 @triton.jit
 def _add_rank_block_kernel(acc_ptr, block_ptr, start_ptr, out_ptr, width, n, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -101,6 +105,7 @@ def _add_rank_block_kernel(acc_ptr, block_ptr, start_ptr, out_ptr, width, n, BLO
     tl.store(out_ptr + row * width + cols, (acc + add).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@counted
 @triton.jit
 def _rows_gemv_add_kernel(
     acc_ptr,  # [T, N]
