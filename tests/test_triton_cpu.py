@@ -1,0 +1,155 @@
+"""The k3 ops' Triton kernels on the CPU, under Triton's interpreter: what ships to GPUs, run in CI.
+
+On the CPU the runtime runs each k3 op's torch reference unless ``RuntimeOptions.kernels``
+is "triton": then it registers the GPU's kernels for CPU tensors (``register_gpu_kernels("cpu")``),
+which Triton runs in its interpreter, so the dispatch a GPU runs (which shapes go to which
+kernel, the launch plans, the casts) runs here too.
+
+End to end: ``tiny-h24`` with MXFP4 experts compiled for ``h200`` at TP2 / DCP2 (every
+mission pass changes the decode graph: MXFP4 experts, the deduplicated MoE tail, the fused
+KDA decode step, the DCP split with its all-to-all merge, the heads padded to the split-KV
+kernel's tile) runs on two gloo ranks, first with the torch references, then with the
+Triton kernels. Greedy tokens are the same, logits within ``TOLERANCE``, and every k3 op
+node with a Triton kernel launched exactly its kernels (counted per kernel by
+``k3compile.runtime.kernels.kernel_launches``): no op fell back to its reference.
+
+The Triton mode registers the kernels for the whole process, for good: it runs only in the
+spawned ranks, never in the pytest process, whose other tests expect the references.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch.fx import GraphModule
+
+from k3compile.artifact import load_artifact, read_artifact_info
+from k3compile.compiler import CompileOptions, optimize
+from k3compile.distributed import RankPool
+from k3compile.runtime import Runtime, RuntimeOptions
+
+PROMPT = [5, 9]  # more than one token: the prefill program (one token is a decode step)
+NEW_TOKENS = 2  # greedy: one from the prefill's logits, one from a decode step's
+#: max |triton - reference| / max |reference| of each step's logits: the pipeline's
+#: validation rtol. Measured ~1e-6: fp32 everywhere, the MXFP4 experts take fp32 z as two
+#: bf16 parts (~16 significant bits), accumulation orders differ.
+TOLERANCE = 1e-4
+
+#: The Triton kernels each k3 op launches at these shapes (the ops missing here have no
+#: kernel: their reference runs). MXFP4 experts: pair-major below 3,072 pairs (w13, w2, the
+#: k combine); the MoE tail's GEMV + add: the split-K kernel up to 16 rows; MLA decode:
+#: split-KV with a combine (the interpreter counts as 8 SMs: several KV splits).
+KERNELS_OF_OP = {
+    "k3.rms_norm.default": ("_rms_norm_kernel",),
+    "k3.sigmoid_topk_route.default": ("_route_kernel",),
+    "k3.moe_experts_mxfp4.default": ("_expert_gemm_kernel", "_expert_gemm_kernel", "_combine_kernel"),
+    "k3.add_rank_block_linear.default": ("_rows_gemv_add_kernel",),
+    "k3.kda_decode_fused.default": ("kda_decode_kernel",),
+    "k3.mla_decode_split_kv.default": ("_mla_decode_split_kv_kernel", "_combine_splits_kernel"),
+    "k3.dcp_pack.default": ("_dcp_pack_kernel",),
+    "k3.dcp_merge.default": ("_dcp_merge_kernel",),
+}
+MOE_TAIL = {"_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel", "_rows_gemv_add_kernel"}
+DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel", "_dcp_pack_kernel",
+               "_dcp_merge_kernel"}
+
+
+def _k3_ops(module: GraphModule) -> dict[str, int]:
+    """k3 op nodes of a program, its ``torch.cond`` branches included."""
+    return dict(Counter(str(n.target) for m in module.modules() if isinstance(m, GraphModule)
+                        for n in m.graph.nodes if str(n.target).startswith("k3.")))
+
+
+def _expected_launches(ops: dict[str, int]) -> dict[str, int]:
+    """The kernel launches of one run of a program with these k3 op nodes."""
+    want: Counter[str] = Counter()
+    for op, n in ops.items():
+        for kernel in KERNELS_OF_OP.get(op, ()):
+            want[kernel] += n
+    return dict(want)
+
+
+def _generate(rank: int, world: int, out) -> dict[str, object]:
+    """On one rank: greedy generation with the references, then with the Triton kernels
+    (the references first: registering is for good), each step's logits and kernel
+    launches, and the k3 ops of the two programs."""
+    from k3compile.runtime.kernels import kernel_launches, reset_kernel_launches
+
+    torch.set_num_threads(1)
+    artifact = load_artifact(out, world_size=world)  # once: loading the programs is most of a rank's time
+    result: dict[str, object] = {"ops": {phase: _k3_ops(p.graph_module) for phase, p in artifact.programs.items()}}
+    for kernels in ("reference", "triton"):
+        options = RuntimeOptions(max_sequences=1, max_context=8, kernels=kernels)
+        rt = Runtime(artifact, rank, torch.device("cpu"), options)
+        tokens, logits, launches = [], [], []
+        for step in range(NEW_TOKENS):
+            reset_kernel_launches()
+            if step == 0:
+                (seq,), step_logits = rt.prefill([PROMPT])
+            else:
+                step_logits = rt.decode([seq], [tokens[-1]])
+            launches.append(kernel_launches())
+            logits.append(step_logits[0])
+            tokens.append(int(step_logits[0].argmax()))
+        result[kernels] = {"tokens": tokens, "logits": logits, "launches": launches, "triton": rt.triton_kernels}
+    return result
+
+
+@pytest.mark.slow
+def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(model_dirs, tmp_path):
+    out = optimize(model_dirs("tiny-h24", "mxfp4"), tmp_path / "h200",
+                   CompileOptions(tp=2, dcp=2, target="h200", dtype="float32")).out_dir
+    info = read_artifact_info(out)
+    assert (info.target, info.tp, info.dcp, info.block_size) == ("h200", 2, 2, 64)
+    changed = {p["pass"] for p in info.passes if p["phase"] == "decode" and p["changed"]}
+    assert {"mxfp4_experts", "dedup_replicated_linear", "fuse_kda_decode", "split_mla_context",
+            "pad_attention_heads"} <= changed
+
+    with RankPool(2) as ranks:
+        per_rank = ranks.run(_generate, out)
+    for rank in per_rank:
+        ref, tri = rank["reference"], rank["triton"]
+        assert not ref["triton"] and tri["triton"]
+        assert tri["tokens"] == ref["tokens"] and len(ref["tokens"]) == NEW_TOKENS
+        for got, want in zip(tri["logits"], ref["logits"]):
+            assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
+        assert ref["launches"] == [{}] * NEW_TOKENS  # the references launch no Triton kernel
+        prefill, decode = tri["launches"]
+        assert prefill == _expected_launches(rank["ops"]["prefill"]) and set(prefill) == MOE_TAIL
+        assert decode == _expected_launches(rank["ops"]["decode"]) and set(decode) == MOE_TAIL | DECODE_ONLY
+        assert decode["kda_decode_kernel"] == 3 and decode["_mla_decode_split_kv_kernel"] == 2  # KDA, MLA layers
+
+
+def test_cpu_kernels_need_the_interpreter_and_kernels_take_three_choices():
+    """Registering for "cpu" refuses unless Triton runs interpreted: TRITON_INTERPRET set
+    after triton's first import does not count (a fresh process; registering is for good).
+    A bad ``kernels`` choice is refused when the options are made, and by the CLI."""
+    code = (
+        "import os, torch, triton\n"
+        "os.environ['TRITON_INTERPRET'] = '1'  # too late: triton is imported\n"
+        "from k3compile.runtime import kernels\n"
+        "try:\n"
+        "    kernels.register_gpu_kernels('cpu')\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "assert not kernels.registered('cpu') and not kernels.interpreted()\n"
+        "assert not torch._C._dispatch_has_kernel_for_dispatch_key('k3::rms_norm', 'CPU')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "not running under its interpreter" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
+
+    with pytest.raises(ValueError, match="unknown choice 'fast'; choose one of auto, reference, triton"):
+        RuntimeOptions(kernels="fast")
+    from typer.testing import CliRunner
+
+    from k3compile.cli import app
+
+    result = CliRunner().invoke(app, ["run", "no-such-artifact", "--prompt", "1", "--kernels", "fast"])
+    assert result.exit_code == 2 and "--kernels: unknown choice 'fast'" in result.stderr, result.output
