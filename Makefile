@@ -24,3 +24,8 @@ demo: $(VENV)/.installed
 # (2) The test suite (what CI runs).
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+# (3) The kernel-mutant check: wrong kernels that the kernel tests must catch (docs/testing.md).
+.PHONY: mutants
+mutants: $(VENV)/.installed
+	$(BIN)/python tests/kernel_mutants.py

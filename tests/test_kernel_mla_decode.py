@@ -5,11 +5,22 @@ TRITON_INTERPRET before anything imports Triton (the mode is fixed at that impor
 Under the interpreter the launchers NaN-fill every output and scratch buffer, so an
 element a kernel fails to write fails the comparison.
 
-Tolerances (bf16 inputs, fp32 reference on the same bf16 values upcast): scores are
-exact products summed in fp32, so lse agrees to fp32 rounding (1e-4 absolute is loose);
-o loses the rounding of the probabilities to bf16 before the value product and of o
-itself to bf16: 2^-9 relative each on a GPU, 2^-8 under Triton 3.9's interpreter, which
-truncates fp32 -> bf16: 1e-2 absolute + 1e-2 relative.
+Tolerances (tests/tolerances.py: MLA_O, MLA_LSE; the reference is fp32 on the same
+low-precision values upcast): scores are exact products summed in fp32, so lse agrees to
+fp32 rounding of the score sums (24 u(fp32) of max |lse|); o loses the rounding of the
+probabilities to the cache dtype before the value product and of o itself: 2 u of the
+row's own max |o| (a row over one token is ~1, over 300 tokens ~0.1), twice that for bf16
+under Triton 3.9's interpreter, which truncates fp32 -> bf16. The fixed 1e-2 absolute this
+replaced passed o rows that lost a split: at 4,100 tokens, 14 of 16 heads' rows without
+their last 64 tokens (MLA_O: 2 of 16; lse catches every one); at K3's contexts of 128-300
+tokens every row that loses its last split fails MLA_O
+(test_o_tolerance_catches_a_dropped_split). A split too small to move o beyond bf16's
+resolution is left to lse.
+
+K3's per-rank shapes (the ``test_k3_*`` tests): real widths (576 = 512 latent + 64 k_pe,
+value 512), the h200 target's 64-token cache blocks, one layer's worth of small batch and
+context, with the launch plan split_kv_config / choose_num_splits pick for an H200 and an
+MI355X; their interpreter is sped up by tests/fast_interpreter.py.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ import dataclasses
 
 import pytest
 import torch
+from fast_interpreter import fast_interpreter
+from tolerances import MLA_LSE, MLA_O, assert_close_scaled, reference_scale, unit_roundoff
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.runtime.kernels import aot
@@ -32,9 +45,6 @@ DEVICE = "cuda" if torch.cuda.is_available() and not mc._INTERPRETED else "cpu"
 # The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
 # context's o, log2(0) for its lse): numpy warns, the kernels select the right value.
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
-
-O_TOL = {"atol": 1e-2, "rtol": 1e-2}
-LSE_TOL = {"atol": 1e-4, "rtol": 0.0}
 
 
 def paged(lens: list[int], W: int, block_size: int, dtype: torch.dtype, gen: torch.Generator):
@@ -61,11 +71,11 @@ def reference(q, cache, table, seq_lens, scale, value_dim):
     return torch.ops.k3.mla_decode(q.float().cpu(), cache.float().cpu(), table.cpu(), seq_lens.cpu(), scale, value_dim)
 
 
-def check(got, want, o_tol=O_TOL, lse_tol=LSE_TOL):
+def check(got, want, dtype: torch.dtype = torch.bfloat16) -> None:
+    """o per (token, head) row and lse against the reference, with MLA_O and MLA_LSE."""
     o, lse = got
-    assert not o.isnan().any() and not lse.isnan().any(), "unwritten (NaN-poisoned) outputs"
-    torch.testing.assert_close(o.float().cpu(), want[0].float(), **o_tol)
-    torch.testing.assert_close(lse.cpu(), want[1], **lse_tol)
+    assert_close_scaled(o, want[0], dtype, roundings=MLA_O(dtype), dims=-1, truncates=mc._INTERPRETED, what="o")
+    assert_close_scaled(lse, want[1], torch.float32, roundings=MLA_LSE, what="lse")
 
 
 def case(H: int, L: int, R: int, lens: list[int], block_size: int, dtype=torch.bfloat16, seed: int = 0):
@@ -103,15 +113,39 @@ def test_split_kv_tiles_and_splits_cover_the_context(block_n):
     check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=5, block_n=block_n), want)
 
 
+@pytest.fixture
+def guarded(monkeypatch):
+    """The split-KV launcher's outputs and partials as views into NaN buffers three times
+    their size, with a guard band before and after; call the fixture's value after a
+    launch to check that no program wrote into a guard (outside its outputs: on a GPU,
+    into other memory)."""
+    bands: list[tuple[torch.Tensor, int]] = []
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = max(1, torch.Size(shape).numel())
+        buffer = torch.full((3 * n,), float("nan"), dtype=dtype, device=device)
+        bands.append((buffer, n))
+        return buffer[n:2 * n].view(shape)
+
+    def assert_no_writes_outside() -> None:
+        for buffer, n in bands:
+            outside = torch.cat([buffer[:n], buffer[2 * n:]])
+            assert outside.isnan().all(), f"{int((~outside.isnan()).sum())} elements written outside an output"
+
+    monkeypatch.setattr(sk, "_empty", empty)
+    return assert_no_writes_outside
+
+
 @pytest.mark.parametrize("H, block_h", [(32, 32), (48, 64), (48, 32), (32, 16)])
-def test_split_kv_head_tiles(H, block_h):
+def test_split_kv_head_tiles(guarded, H, block_h):
     """Head tiles other than split_kv_config's: one tile wider than the heads (48 in 64:
     masked head rows), a last tile half full (48 = 32 + 16), two tiles for 32 heads; with
     more splits than KV tiles (2 tiles of 32 rows, 8 splits) and a KV tile larger than
-    the block size."""
+    the block size. The padding rows of a partial head tile are written nowhere."""
     q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 50, 17], block_size=16, seed=H + block_h)
     config = sk.SplitKVConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1)
     got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=8, config=config)
+    guarded()
     check(got, reference(q, cache, table, seq_lens, scale, 64))
 
 
@@ -144,7 +178,7 @@ def test_split_kv_tensor_descriptor_tiles(H, block_n, block_size):
         check(got, want)
         pointers = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=splits,
                                           config=dataclasses.replace(tma, tma=False))
-        torch.testing.assert_close(got[1], pointers[1], atol=1e-5, rtol=0.0)
+        assert_close_scaled(got[1], pointers[1], torch.float32, roundings=MLA_LSE, what="lse, descriptors vs pointers")
 
 
 def test_split_kv_tensor_descriptors_only_where_the_cache_allows():
@@ -178,12 +212,98 @@ def test_split_kv_real_k3_widths():
           reference(q, cache, table, seq_lens, scale, 512))
 
 
+def test_o_tolerance_catches_a_dropped_split():
+    """The combine's mutant on o alone (lse not compared): at K3 widths, every (sequence,
+    head) row whose last non-empty KV split is dropped (the reference over the context
+    without that split's tokens, renormalised as the combine would) fails MLA_O, even with
+    the interpreter's doubled bf16 u."""
+    q, cache, table, seq_lens, scale = case(16, 512, 64, [128, 256, 300], block_size=64, seed=1)
+    want = reference(q, cache, table, seq_lens, scale, 512)[0]
+    bound = MLA_O(torch.bfloat16) * unit_roundoff(torch.bfloat16, truncates=True) * reference_scale(want, -1)
+    for splits in (2, 4, 10):
+        per_split = ((seq_lens + splits - 1) // splits + 31) // 32 * 32  # the kernel's cut: whole KV tiles of 32
+        kept = (seq_lens - 1) // per_split * per_split  # the last non-empty split's first position
+        dropped = reference(q, cache, table, kept.int(), scale, 512)[0]
+        assert ((dropped - want).abs() > bound).any(-1).all(), splits
+
+
+# --------------------------------------------------------------------------- K3 per-rank shapes
+
+K3_LATENT, K3_ROPE, K3_BLOCK = 512, 64, 64  # cache rows of 576, value 512; h200's 64-token blocks
+K3_TARGETS = {"cuda": "sm_90", "hip": "gfx950"}  # the split-KV plans of an H200 and of an MI355X
+
+
+@pytest.fixture
+def fast():
+    """Triton's interpreter without its per-element reduce, per-helper patching and integer
+    overflow checks (tests/fast_interpreter.py; no offset here comes near 2^31)."""
+    with fast_interpreter():
+        yield
+
+
+def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan: tuple[int, bool, int]):
+    """K3-width cache (64-token blocks, NaN past every context) for ``lens``; split-KV on
+    ``q`` with the launch the launcher picks on ``backend``'s target (asserted: head tile,
+    descriptor tiles, splits); returns the outputs and the cache, table, seq_lens, scale."""
+    _, cache, table, seq_lens, scale = case(1, K3_LATENT, K3_ROPE, lens, K3_BLOCK, seed=seed)
+    cache = poison_past_contexts(cache, table, seq_lens)
+    config = sk.split_kv_config(backend, q.shape[1], q.dtype)
+    units = aot.TARGETS[K3_TARGETS[backend]].compute_units
+    splits = sk.choose_num_splits(q.shape[0], q.shape[1], table.shape[1] * K3_BLOCK, units, config)
+    descriptors = config.tma and sk._kv_descriptors(cache, K3_LATENT, config.block_n) is not None
+    assert (config.block_h, config.block_n, descriptors, splits) == (plan[0], 32, plan[1], plan[2])
+    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, K3_LATENT, num_splits=splits, config=config)
+    return got, (cache.nan_to_num(0.0), table, seq_lens, scale)
+
+
+# (head tile, KV tiles by tensor descriptors, splits) the launcher picks on each target
+@pytest.mark.parametrize("backend, plan", [("cuda", (16, True, 10)), ("hip", (16, False, 10))])
+def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, plan):
+    """K3 at TP8: 12 heads per rank, zero-padded to 16 by k3::pad_heads (what the
+    pad_attention_heads pass inserts), split-KV, the padding cut off by k3::narrow_heads:
+    the 12 real heads equal the reference on 12 heads. Contexts: empty, one token, a block
+    boundary and one past it, 300 tokens."""
+    lens = [0, 1, 64, 65, 300]
+    gen = torch.Generator().manual_seed(12)
+    q12 = torch.randn(len(lens), 12, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
+    (o, lse), args = k3_split_kv(torch.ops.k3.pad_heads(q12, 16), backend, lens, seed=12, plan=plan)
+    check((torch.ops.k3.narrow_heads(o, 12), torch.ops.k3.narrow_heads(lse, 12)), reference(q12, *args, K3_LATENT))
+
+
+def test_k3_split_kv_96_gathered_heads(fast):
+    """K3 at TP8 x DCP8: the 96 heads gathered over the DCP group, three head tiles of 32,
+    with an H200's plan (MI355X's differs only by pointer gathers, run at 16 heads above;
+    the combine's 4 programs per (sequence, head) cost the interpreter ~3 s a sequence)."""
+    lens = [65, 300]
+    gen = torch.Generator().manual_seed(96)
+    q = torch.randn(len(lens), 96, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
+    got, args = k3_split_kv(q, "cuda", lens, seed=96, plan=(32, True, 10))
+    check(got, reference(q, *args, K3_LATENT))
+
+
+def test_k3_generic_decode_and_prefill_twelve_heads(fast):
+    """The kernels that take K3's 12 heads per rank unpadded, at real widths and 64-token
+    blocks: generic decode, and absorbed prefill of a chunk of 8 new tokens after 92 cached
+    ones and of a fresh 37-token prompt (16-row tiles of (token, head) rows)."""
+    q, cache, table, seq_lens, scale = case(12, K3_LATENT, K3_ROPE, [1, 65, 300], K3_BLOCK, seed=121)
+    check(ak.mla_decode_generic(q, cache, table, seq_lens, scale, K3_LATENT),
+          reference(q, cache, table, seq_lens, scale, K3_LATENT))
+    ctx, new = [100, 37], [8, 37]
+    _, cache, table, seq_lens, scale = case(12, K3_LATENT, K3_ROPE, ctx, K3_BLOCK, seed=122)
+    gen = torch.Generator().manual_seed(122)
+    q = torch.randn(sum(new), 12, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))
+    pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx, new, strict=True)])
+    check(ak.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, K3_LATENT),
+          reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, K3_LATENT))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_kv_other_dtypes(dtype):
     q, cache, table, seq_lens, scale = case(16, 64, 8, [9, 30], block_size=16, dtype=dtype, seed=5)
-    tol = ({"atol": 1e-5, "rtol": 1e-5}, {"atol": 1e-5, "rtol": 0.0}) if dtype == torch.float32 else (O_TOL, LSE_TOL)
     check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=2),
-          reference(q, cache, table, seq_lens, scale, 64), *tol)
+          reference(q, cache, table, seq_lens, scale, 64), dtype)
 
 
 def test_split_kv_rejects_heads_not_multiple_of_16():

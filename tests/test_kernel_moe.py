@@ -2,7 +2,8 @@
 k3 ops' torch references and a test-local fp64 mirror of the kernels' rounding points; their
 launch plans; AOT compilation of every default specialisation for gfx950, gfx942, sm_90.
 
-Tolerances (stated once). u(dtype) is the unit roundoff: bf16 2^-8, fp16 2^-11, fp32 2^-24.
+Tolerances (the rule and u(dtype), the unit roundoff bf16 2^-8, fp16 2^-11, fp32 2^-24, are
+tests/tolerances.py's; the experts' bounds are derived here, per output element):
 - Against the MIRROR (_mirror: fp64 math with the kernel's rounding points: bf16 z and h as
   matrix operands, h first stored in z's dtype, nothing else rounded) the bound is derived
   per output element: |got - mirror| <= u(out) (|mirror| + A) + A. The first term is the
@@ -22,7 +23,10 @@ Tolerances (stated once). u(dtype) is the unit roundoff: bf16 2^-8, fp16 2^-11, 
   <= max|out|, independent signs, so |got - ref| <= 2u |ref| + 8u max|ref| (8u: ~1.3x their
   worst root-sum-square; a heuristic bound, the mirror's is the rigorous one).
 The mutant check (test_tolerances_catch_a_dropped_slot) shows that dropping one routed
-slot moves every token's outputs far beyond both.
+slot moves every token's outputs far beyond both; tests/kernel_mutants.py runs wrong
+kernels (E2M1 nibbles swapped, E8M0 exponent off by one, SiTU betas swapped, routing
+without renormalisation or with the bias in its weights) against these tests.
+Routing weights (fp32): ROUTE_WEIGHTS roundings of each weight.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
 import pytest  # noqa: E402
+from tolerances import ROUTE_WEIGHTS, assert_close_scaled, assert_within  # noqa: E402
+from tolerances import UNIT_ROUNDOFF as U  # noqa: E402
 
 import k3compile.ops  # noqa: E402,F401  (registers torch.ops.k3)
 from k3compile.checkpoint.mxfp4 import unpack_mxfp4  # noqa: E402
@@ -45,7 +51,6 @@ from k3compile.runtime.kernels import aot, moe, routing  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETA, LINEAR_BETA = 4.0, 25.0
-U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 # --------------------------------------------------------------------------- routing
 
@@ -68,14 +73,14 @@ def test_route_matches_the_reference(T, E, k, renormalize):
         rw, rids = moe_ops.sigmoid_topk_route(x, bias, k, renormalize, 2.5)
         assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, k)
         assert torch.equal(ids.cpu(), rids)  # ties: the lower expert id first, as the stable sort
-        torch.testing.assert_close(w.cpu(), rw, rtol=8 * U[torch.float32], atol=0)
+        assert_close_scaled(w, rw, torch.float32, roundings=ROUTE_WEIGHTS, scale=rw.abs(), what="weights")
 
 
 def test_route_ties_go_to_lower_ids_and_leading_dims_are_kept():
     logits = torch.zeros(2, 3, 32)
     w, ids = routing.sigmoid_topk_route(logits.to(DEVICE), torch.zeros(32, device=DEVICE), 4, True, 1.0)
     assert ids.shape == (2, 3, 4) and torch.equal(ids.cpu(), torch.arange(4).expand(2, 3, 4))
-    torch.testing.assert_close(w.cpu(), torch.full((2, 3, 4), 0.25))
+    assert_close_scaled(w, torch.full((2, 3, 4), 0.25), torch.float32, roundings=ROUTE_WEIGHTS, what="weights")
 
 
 # --------------------------------------------------------------------------- experts: data and references
@@ -181,6 +186,11 @@ def _within(got: torch.Tensor, ref: torch.Tensor, tol: tuple[torch.Tensor, float
     return (got.double() - ref.double()).abs() <= rel.double() + abs_
 
 
+def _check(got: torch.Tensor, ref: torch.Tensor, tol: tuple[torch.Tensor, float], what: str) -> None:
+    rel, abs_ = tol
+    assert_within(got, ref, rel.double() + abs_, what)
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output and workspace of the launchers starts as NaN (ints: a huge value), so an
@@ -235,11 +245,11 @@ def _run_case(T, K, shape, plan, pattern, dtype=torch.bfloat16, E=16, seed=0, ch
                                 BETA, LINEAR_BETA, plan=plan).cpu()
     assert got.dtype == dtype and got.shape == (T, D) and torch.isfinite(got).all()
     mirror = _mirror(z, weights, ids, w)
-    assert _within(got, mirror[0], _mirror_tol(mirror, dtype)).all(), (got.double() - mirror[0]).abs().max()
+    _check(got, mirror[0], _mirror_tol(mirror, dtype), "experts vs the fp64 mirror")
     if check_op:
         with _one_thread():
             ref = moe_ops.moe_experts_mxfp4(z, weights, ids, *w, BETA, LINEAR_BETA)
-        assert _within(got, ref, _op_tol(ref, dtype)).all(), (got.double() - ref.double()).abs().max()
+        _check(got, ref, _op_tol(ref, dtype), "experts vs the op's reference")
     return z, weights, ids, w, got
 
 
@@ -312,7 +322,7 @@ def test_scales_off_a_word_boundary_take_the_byte_path(poisoned):
     got = moe.moe_experts_mxfp4(*(t.to(DEVICE) for t in (z, weights, ids, *w[:5])), shifted, BETA, LINEAR_BETA,
                                 plan=PAIR_WIDE).cpu()
     mirror = _mirror(z, weights, ids, w)
-    assert _within(got, mirror[0], _mirror_tol(mirror, z.dtype)).all()
+    _check(got, mirror[0], _mirror_tol(mirror, z.dtype), "experts vs the fp64 mirror")
 
 
 def test_codes_off_a_word_boundary_take_the_matrix_unit(poisoned):
@@ -346,7 +356,7 @@ def test_padded_rows_leave_real_rows_unchanged(poisoned, plan):
                                    plan=plan).cpu()
     if plan.grouped:  # the real pairs may sit in other columns of their blocks
         mirror = _mirror(z, weights, ids, w)
-        assert _within(padded[:3], mirror[0], _mirror_tol(mirror, z.dtype)).all()
+        _check(padded[:3], mirror[0], _mirror_tol(mirror, z.dtype), "real rows vs the fp64 mirror")
     else:
         assert torch.equal(padded[:3], got)
 
@@ -366,7 +376,7 @@ def test_routing_feeds_the_experts(poisoned):
     ref = moe_ops.moe_experts_mxfp4(z, rw, rids, *w, BETA, LINEAR_BETA)
     got = moe.moe_experts_mxfp4(*(t.to(DEVICE) for t in (z, weights, ids, *w)), BETA, LINEAR_BETA,
                                 plan=GROUPED_16).cpu()
-    assert _within(got, ref, _op_tol(ref, z.dtype)).all()
+    _check(got, ref, _op_tol(ref, z.dtype), "experts vs the op's reference")
 
 
 def test_tolerances_catch_a_dropped_slot():
@@ -444,7 +454,9 @@ def test_register_gpu_kernels_covers_the_ops_and_is_idempotent():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"k3::{name}", "CUDA"), name
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"k3::{name}", "CPU"), name
     with pytest.raises(ValueError, match="device_type must be one of"):
-        register_gpu_kernels("cpu")  # the Triton interpreter's registration is not built yet
+        register_gpu_kernels("tpu")
+    # "cpu" (the kernels under the interpreter) is process-wide: tests/test_triton_cpu.py
+    # registers it in spawned ranks only.
 
 
 def test_bad_arguments_are_named():

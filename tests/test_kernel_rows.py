@@ -1,10 +1,22 @@
 """The row kernels (runtime/kernels/rows.py) against the k3 ops' torch references, under
-the Triton interpreter without a GPU (conftest sets TRITON_INTERPRET)."""
+the Triton interpreter without a GPU (conftest sets TRITON_INTERPRET).
+
+Tolerances (tests/tolerances.py: ROWS): against fp32 references on the same values, the
+kernels round once, the output (the norm and x @ W^T stay fp32; bf16 under Triton 3.9's
+interpreter by truncation: twice u); fp32 rows differ by the order of their sums. The
+``poisoned`` fixture NaN-fills what the launchers allocate (outputs, split-K partials), so
+an element no program writes fails.
+"""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+from fast_interpreter import fast_interpreter
+from tolerances import ROWS, ROWS_OP_REFERENCE, assert_close_scaled
+
 from k3compile.runtime.kernels import aot, rows
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
@@ -12,16 +24,37 @@ import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Floating-point tensors from torch.empty / empty_like start as NaN during the test
+    (the launchers allocate outputs and partials with them)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: nan(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: nan(empty_like(*args, **kwargs)))
+
+
+def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, dims: int | None = None, what: str = "out"):
+    """The kernel's output against an fp32 reference: ROWS, bf16 truncated when interpreted."""
+    assert_close_scaled(got, want, dtype, roundings=ROWS(dtype), dims=dims, truncates=rows._INTERPRETED, what=what)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 96), (1, 3584), (0, 64)])
-def test_rms_norm_matches_the_reference(shape, dtype):
+def test_rms_norm_matches_the_reference(poisoned, shape, dtype):
+    """Per row (the scale of each); the last of several rows has a mean square near eps."""
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(DEVICE)
+    x = torch.randn(shape, generator=gen) * 3
+    if shape[0] > 1:
+        x[-1] *= 1e-3
+    x = x.to(dtype).to(DEVICE)
     w = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype).to(DEVICE)
     got = rows.rms_norm(x, w, 1e-5)
-    want = torch.ops.k3.rms_norm(x.cpu(), w.cpu(), 1e-5)
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
-    torch.testing.assert_close(got.cpu(), want, **tol)
+    assert got.dtype == dtype
+    check(got, torch.ops.k3.rms_norm(x.cpu().float(), w.cpu().float(), 1e-5), dtype, dims=-1)
 
 
 @pytest.mark.parametrize("rank", [0, 3, 7])
@@ -56,9 +89,8 @@ def test_add_rank_block_linear_matches_the_reference(rank, T, dtype):
     want[:, rank * n:(rank + 1) * n] += x.cpu().float() @ w.cpu().float().T
     ref = torch.ops.k3.add_rank_block_linear(acc.cpu(), x.cpu(), w.cpu(), start.cpu())
     assert got.dtype == ref.dtype == dtype
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(got.float(), want, **tol)
-    torch.testing.assert_close(ref.float(), want, **tol)
+    check(got, want, dtype)
+    assert_close_scaled(ref, want, dtype, roundings=ROWS_OP_REFERENCE(dtype), what="op reference")
     outside = torch.ones(N, dtype=torch.bool)
     outside[rank * n:(rank + 1) * n] = False
     assert torch.equal(got[:, outside], acc.cpu()[:, outside])  # copied bit for bit
@@ -92,7 +124,7 @@ SPLITK_CASES = [  # (config, K, effective splits)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 16])
 @pytest.mark.parametrize(("cfg", "K", "splits"), SPLITK_CASES, ids=str)
-def test_splitk_kernel_matches_the_reference(cfg, K, splits, T, dtype):
+def test_splitk_kernel_matches_the_reference(poisoned, cfg, K, splits, T, dtype):
     n = 64
     acc, x, w, start, want, outside = _splitk_case(T, n, K, dtype, seed=T * 100 + K)
     acc_before = acc.clone()
@@ -100,8 +132,7 @@ def test_splitk_kernel_matches_the_reference(cfg, K, splits, T, dtype):
     assert plan.splits == splits and plan.grid == (n // cfg.block_n, 1 + splits, 1)  # + the copy programs
     got = rows.add_rank_block_linear_splitk(acc, x, w, start, cfg)
     assert got.dtype == dtype and got.shape == acc.shape and got.data_ptr() != acc.data_ptr()
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(got.cpu().float(), want, **tol)
+    check(got, want, dtype)
     assert torch.equal(acc, acc_before)  # the op returns a new tensor; acc is not modified
     assert torch.equal(got.cpu()[:, outside], acc.cpu()[:, outside])  # copied bit for bit
     # Same result again (the sum over splits is in split order) and the arrival counters are
@@ -116,7 +147,31 @@ def test_splitk_kernel_with_many_rows_on_the_dot_path():
     cfg = rows.SplitKConfig(block_n=16, split_k=2, num_warps=4, block_k=64, dot=True)
     acc, x, w, start, want, outside = _splitk_case(40, 32, 256, torch.float32, seed=7)
     got = rows.add_rank_block_linear_splitk(acc, x, w, start, cfg)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    check(got, want, torch.float32)
+    assert torch.equal(got.cpu()[:, outside], acc.cpu()[:, outside])
+
+
+# K3 at TP8: routed_expert_up_proj (3584 -> 7168), deduplicated, is one rank's 896 rows of it
+# added into the 7168-wide partial: the shape splitk_aot_signature compiles by default.
+K3_TP8_ROWS = {name: p.default for name, p in inspect.signature(rows.splitk_aot_signature).parameters.items()
+               if name in ("N", "n", "K")}
+
+
+@pytest.mark.parametrize("T, dot", [(1, False), (8, True)])
+def test_k3_tp8_rows_gemv(poisoned, T, dot):
+    """add_rank_block_linear at K3's TP8 rows (bf16 896 x 3584 into 7168 columns, rank 5) at
+    batch 1 and 8, with the launcher's plan (FMA at batch 1, tl.dot from 2; 56 row tiles x
+    14 K splits + 56 copy programs; asserted): the block within ROWS, the other columns
+    copied bit for bit."""
+    N, n, K = K3_TP8_ROWS["N"], K3_TP8_ROWS["n"], K3_TP8_ROWS["K"]
+    assert (N, n, K) == (7168, 896, 3584)
+    config = rows.choose_splitk_config(T)
+    plan = rows.splitk_plan(T, N, n, K, config)
+    assert config.dot == dot and plan.grid == (56, 1 + 14, 1) and plan.splits == 14
+    acc, x, w, start, want, outside = _splitk_case(T, n, K, torch.bfloat16, seed=T, tp=N // n, rank=5)
+    with fast_interpreter():  # and no integer overflow checks: offsets here stay below 2^23
+        got = rows.add_rank_block_linear(acc, x, w, start)
+    check(got, want, torch.bfloat16)
     assert torch.equal(got.cpu()[:, outside], acc.cpu()[:, outside])
 
 

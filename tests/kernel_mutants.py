@@ -1,0 +1,233 @@
+"""The kernel-mutant check: wrong kernels that the kernel tests must catch.
+
+Each mutant replaces one exact snippet of a kernel source (present once) and runs the tests
+that should catch it; a mutant is CAUGHT when at least one of them fails (pytest exit 1),
+MISSED when they all pass. Everything runs in a copy of the sources in a temporary folder
+(k3compile/, passes/, runtime/, tests/ and pyproject.toml, with k3compile/runtime and
+k3compile/passes as symlinks to ../runtime and ../passes, the package's setuptools
+package-dir mapping), imported through PYTHONPATH: the working tree is never modified. A
+sanity run first checks that the copy, not the working tree, is what Python imports, and
+that every test selection passes unmutated.
+
+    make mutants                                   # every mutant (~20 minutes on 2 cores)
+    .venv/bin/python tests/kernel_mutants.py kda_gate_sign rows_rms_eps   # some of them
+
+Exits non-zero if a mutant is missed or a run errs (not exit 0 or 1: a collection error, a
+crash, a timeout). Not a pytest module (no test_ prefix): ``make test`` does not run it.
+Results and the command: docs/testing.md, "Kernel mutants".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("k3compile", "passes", "runtime", "tests", "pyproject.toml")
+TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Tests to run: one test file and a pytest ``-k`` expression."""
+
+    file: str
+    k: str
+
+    def args(self) -> list[str]:
+        return [self.file, "-k", self.k]
+
+
+KDA = Selection("tests/test_kernel_kda_decode.py",
+                "test_fused_matches_unfused_chain or test_op_kernel_prepares or (test_k3_per_rank_shapes and not amd)")
+SPLIT_KV = Selection("tests/test_kernel_mla_decode.py",
+                     "test_split_kv_matches or test_split_kv_tiles or test_split_kv_head_tiles or "
+                     "test_split_kv_tensor_descriptor_tiles or test_split_kv_real or test_k3_split_kv")
+ATTENTION = Selection("tests/test_kernel_mla_decode.py", "test_generic or test_prefill_equals or test_k3_generic")
+ROWS = Selection("tests/test_kernel_rows.py", "test_rms_norm or test_splitk_kernel_matches or test_k3_tp8")
+ROUTING = Selection("tests/test_kernel_moe.py", "test_route or test_routing_feeds")
+EXPERTS = Selection("tests/test_kernel_moe.py", "pair_major or grouped_matches or split_k_w13 or fp32_and_fp16")
+DCP = Selection("tests/test_context_parallel.py", "triton_kernel")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    snippet: str  # exact source text, present exactly once
+    replacement: str
+    tests: Selection
+    meaning: str
+
+
+MUTANTS = [
+    Mutant("kda_gate_sign", "runtime/kernels/kda_decode_kernel.py",
+           "decay = tl.exp(lower_bound * tl.sigmoid(tl.exp(a_log) * a))",
+           "decay = tl.exp(-lower_bound * tl.sigmoid(tl.exp(a_log) * a))", KDA,
+           "fused KDA: the decay gate's sign flipped (the state grows by up to e^5 instead of decaying)"),
+    Mutant("kda_state_not_written", "runtime/kernels/kda_decode_kernel.py",
+           "tl.store(s_ptrs, tl.fma(s, decay[:, None], (beta * k)[:, None] * u[None, :]), eviction_policy=STATE_EVICT)",
+           "pass  # mutant", KDA, "fused KDA: the updated state slice is never written back"),
+    Mutant("kda_conv_state_not_shifted", "runtime/kernels/kda_decode_kernel.py",
+           "            _shift_conv_state(q_ptr + i_b * (H * D), q_conv_state, qk_channels, cols, K)\n"
+           "            _shift_conv_state(k_ptr + i_b * (H * D), k_conv_state, qk_channels, cols, K)\n",
+           "            pass  # mutant\n", KDA,
+           "fused KDA: with a head split over programs, the q / k conv states are not shifted"),
+    Mutant("split_kv_combine_drops_a_split", "runtime/kernels/mla_split_kv.py",
+           'mask=split < num_splits, other=float("-inf")) - m_max)',
+           'mask=split < num_splits - 1, other=float("-inf")) - m_max)', SPLIT_KV,
+           "split-KV MLA: the combine leaves out the last split"),
+    Mutant("split_kv_context_off_by_one", "runtime/kernels/mla_split_kv.py",
+           "valid = pos < kv_end", "valid = pos <= kv_end", SPLIT_KV,
+           "split-KV MLA: the row at a split's end (the next split's first, or one past the context) counted"),
+    Mutant("split_kv_block_row_in_64_token_blocks", "runtime/kernels/mla_split_kv.py",
+           "row0 = block * block_size + n0 % block_size", "row0 = block * block_size + n0 % BLOCK_N", SPLIT_KV,
+           "split-KV MLA: a descriptor tile's row in its cache block taken modulo the 32-row tile, not the "
+           "block size (64-token blocks: every second tile re-reads the first)"),
+    Mutant("split_kv_padding_rows_leak", "runtime/kernels/mla_split_kv.py",
+           "head_ok = heads < num_heads", "head_ok = heads < tl.num_programs(0) * BLOCK_H", SPLIT_KV,
+           "split-KV MLA: the padding rows of a head tile wider than the heads left are computed and "
+           "stored (onto the next sequence's heads; past the last one's outputs)"),
+    Mutant("prefill_causal_off_by_one", "runtime/kernels/mla_attention.py",
+           "ctx - n_new + tok + 1", "ctx - n_new + tok", ATTENTION,
+           "generic / prefill MLA: the causal limit excludes the token's own position"),
+    Mutant("rows_splitk_partial_dropped", "runtime/kernels/rows.py",
+           "for s in range(SPLIT_K):", "for s in range(SPLIT_K - 1):", ROWS,
+           "rows GEMV: the last-arriving program sums all K splits but the last"),
+    Mutant("rows_rms_eps_misplaced", "runtime/kernels/rows.py",
+           "inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)",
+           "inv = 1.0 / (tl.sqrt(tl.sum(x * x, axis=0) / width) + eps)", ROWS,
+           "RMSNorm: eps added to the root mean square instead of the mean square"),
+    Mutant("route_not_renormalized", "runtime/kernels/routing.py",
+           "sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)", "sel_w = sel_w", ROUTING,
+           "routing: the top-k weights not renormalised"),
+    Mutant("route_bias_in_weights", "runtime/kernels/routing.py",
+           "sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))",
+           "sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))"
+           " + tl.load(bias_ptr + sel_id, mask=keep, other=0.0).to(tl.float32)", ROUTING,
+           "routing: the correction bias (selection only) added to the weights"),
+    Mutant("mxfp4_nibbles_swapped", "runtime/kernels/moe.py",
+           "word += lo * tl.load(x_ptrs + i).to(tl.float32)  # two statements: two fused multiply-adds\n"
+           "        word += hi * tl.load(x_ptrs + i + 4).to(tl.float32)",
+           "word += lo * tl.load(x_ptrs + (i ^ 1)).to(tl.float32)\n"
+           "        word += hi * tl.load(x_ptrs + (i ^ 1) + 4).to(tl.float32)", EXPERTS,
+           "MXFP4 experts (vector path): a byte's low E2M1 nibble taken as the odd column"),
+    Mutant("mxfp4_e8m0_exponent_off_by_one", "runtime/kernels/moe.py",
+           "(e << 23).to(tl.float32, bitcast=True)", "((e + 1) << 23).to(tl.float32, bitcast=True)", EXPERTS,
+           "MXFP4 experts (vector path): E8M0 scale 2^(s - 126) instead of 2^(s - 127)"),
+    Mutant("mxfp4_situ_betas_swapped", "runtime/kernels/moe.py",
+           "v = tl.join(acc_a / beta, acc_b / linear_beta)", "v = tl.join(acc_a / linear_beta, acc_b / beta)",
+           EXPERTS, "MXFP4 experts: SiTU's beta (4) and linear beta (25) swapped in the tanh arguments"),
+    Mutant("dcp_merge_weights_not_normalized", "runtime/kernels/dcp_merge.py",
+           "out = acc / tl.where(total > 0, total, 1.0)", "out = acc", DCP,
+           "DCP merge: the members' rows weighted by exp(lse - max) without dividing by their sum"),
+]
+
+
+def make_copy(dest: Path) -> Path:
+    """The sources the tests import, copied to ``dest`` (k3compile's runtime and passes
+    as symlinks, the package-dir mapping of pyproject.toml)."""
+    ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.pyc")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+    for package in ("runtime", "passes"):
+        (dest / "k3compile" / package).symlink_to(Path("..") / package, target_is_directory=True)
+    return dest
+
+
+def environment(copy: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def check_imports(copy: Path) -> None:
+    """The copy's modules, not the working tree's (an editable install maps k3compile there)."""
+    code = "import k3compile.runtime.kernels, k3compile.passes; print(k3compile.runtime.__file__); " \
+           "print(k3compile.runtime.kernels.__file__); print(k3compile.passes.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, env=environment(copy), check=True,
+                         capture_output=True, text=True).stdout.split()
+    print("sanity: k3compile.runtime imported from", out[0])
+    for path in out:
+        assert Path(path).is_relative_to(copy), f"{path} is not in the copy {copy}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    first_failure: str
+    seconds: float
+
+
+def run_tests(copy: Path, tests: Selection, stop_at_first_failure: bool = True) -> Outcome:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests.args()]
+    if stop_at_first_failure:
+        cmd.append("-x")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=environment(copy), capture_output=True, text=True,
+                              timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return Outcome(-1, f"timed out after {TIMEOUT_S} s", time.monotonic() - start)
+    failed = re.search(r"^FAILED (.+?)(?: - .*)?$", proc.stdout, re.MULTILINE)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    first = failed.group(1) if failed else lines[-1] if lines else ""
+    return Outcome(proc.returncode, first, time.monotonic() - start)
+
+
+def apply(copy: Path, mutant: Mutant) -> str:
+    """Write the mutant into the copy; returns the original source."""
+    path = copy / mutant.path
+    source = path.read_text()
+    count = source.count(mutant.snippet)
+    assert count == 1, f"{mutant.name}: the snippet occurs {count} times in {mutant.path}"
+    path.write_text(source.replace(mutant.snippet, mutant.replacement))
+    return source
+
+
+def main(names: list[str]) -> int:
+    unknown = set(names) - {m.name for m in MUTANTS}
+    if unknown:
+        print(f"unknown mutants: {sorted(unknown)}; known: {[m.name for m in MUTANTS]}")
+        return 2
+    mutants = [m for m in MUTANTS if not names or m.name in names]
+    with tempfile.TemporaryDirectory(prefix="k3-mutants-") as tmp:
+        copy = make_copy(Path(tmp))
+        check_imports(copy)
+        for selection in dict.fromkeys(m.tests for m in mutants):  # each selection passes unmutated
+            outcome = run_tests(copy, selection, stop_at_first_failure=False)
+            print(f"sanity: {selection.file} -k '{selection.k}': exit {outcome.returncode} "
+                  f"({outcome.seconds:.0f} s)", flush=True)
+            if outcome.returncode != 0:
+                print(f"  the unmutated sources fail: {outcome.first_failure}")
+                return 1
+        rows = []
+        for mutant in mutants:
+            original = apply(copy, mutant)
+            try:
+                outcome = run_tests(copy, mutant.tests)
+            finally:
+                (copy / mutant.path).write_text(original)
+            result = {0: "MISSED", 1: "caught"}.get(outcome.returncode, f"ERROR (exit {outcome.returncode})")
+            rows.append((mutant, result, outcome))
+            print(f"{mutant.name}: {result} by {outcome.first_failure} ({outcome.seconds:.0f} s)", flush=True)
+    print("\n| mutant | what it breaks | result | first test that failed | s |\n|---|---|---|---|--:|")
+    for mutant, result, outcome in rows:
+        caught_by = outcome.first_failure if result == "caught" else ""
+        print(f"| `{mutant.name}` | {mutant.meaning} | {result} | `{caught_by}` | {outcome.seconds:.0f} |")
+    bad = [mutant.name for mutant, result, _ in rows if result != "caught"]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutants caught" + (f"; not caught: {bad}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
