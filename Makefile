@@ -21,9 +21,14 @@ demo: $(VENV)/.installed
 	$(BIN)/k3compile inspect out/tiny-k3.k3c
 	$(BIN)/k3compile run out/tiny-k3.k3c --prompt "1 2 3 4 5 6 7 8" --prompt "42 7" --max-new-tokens 16
 
-# (2) The test suite (what CI runs).
+# (2) The test suite (what CI runs): every test but the sweeps.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not sweep"
+
+# Sweeps: CI checks repeated at more sizes and presets (TP4, DCP4, more presets).
+.PHONY: test-sweeps
+test-sweeps: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m sweep
 
 # (3) The kernel-mutant check: wrong kernels that the kernel tests must catch (docs/testing.md).
 .PHONY: mutants

@@ -284,9 +284,14 @@ def test_localize_and_layout_random_roundtrip():
             assert local == sorted(set(local)) and len(local) == lay.local_length(length)
 
 
+#: The DCP kernels' tests run on the GPU where there is one, else under the interpreter
+#: (tests/conftest.py), which truncates fp32 -> bf16.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_dcp_rescale_triton_kernel_matches_the_reference():
-    """The GPU kernel of k3::dcp_rescale (under TRITON_INTERPRET here) against the op's
-    torch reference, with members that own nothing (lse -inf) and a row no member has."""
+    """The GPU kernel of k3::dcp_rescale (under TRITON_INTERPRET without a GPU) against the
+    op's torch reference, with members that own nothing (lse -inf) and a row no member has."""
     from k3compile.runtime.kernels.dcp_merge import dcp_rescale
 
     gen = torch.Generator().manual_seed(0)
@@ -299,13 +304,13 @@ def test_dcp_rescale_triton_kernel_matches_the_reference():
         for member in range(dcp):
             lse = lse_all[member * B : (member + 1) * B].clone()
             want = k3.dcp_rescale(o, lse, lse_all, dcp)  # the torch reference on CPU tensors
-            got = dcp_rescale(o, lse, lse_all, dcp)
+            got = dcp_rescale(*(t.to(KERNEL_DEVICE) for t in (o, lse, lse_all)), dcp).cpu()
             assert got.shape == (H, B, D) and got.dtype == torch.float32
             assert_close_scaled(got, want, torch.float32, roundings=DCP_RESCALE, dims=-1, what="rescaled rows")
 
 
 def test_dcp_pack_and_merge_triton_kernels_match_the_references():
-    """The GPU kernels of k3::dcp_pack and k3::dcp_merge (under TRITON_INTERPRET here)
+    """The GPU kernels of k3::dcp_pack and k3::dcp_merge (under TRITON_INTERPRET without a GPU)
     against the ops' torch references: members that own nothing (lse -inf), a row that
     no member has (merged to 0), a value width that is not a power of two. The merge in
     bf16 against the reference's fp32 merge: one rounding (tests/tolerances.py: DCP_MERGE)."""
@@ -316,17 +321,17 @@ def test_dcp_pack_and_merge_triton_kernels_match_the_references():
         o = torch.randn(B, dcp * h, D, generator=gen).bfloat16()
         lse = torch.randn(B, dcp * h, generator=gen)
         lse[1, :h] = float("-inf")
-        packed = dcp_pack(o, lse, dcp)
+        packed = dcp_pack(o.to(KERNEL_DEVICE), lse.to(KERNEL_DEVICE), dcp).cpu()
         assert packed.shape == (dcp, B, h, D + 1) and packed.dtype == torch.float32
         assert torch.equal(packed, k3.dcp_pack(o, lse, dcp))  # a copy: exact
         received = torch.randn(dcp, B, h, D + 1, generator=gen)
         received[0, 0, :, D] = float("-inf")  # sequence 0: member 0 owns nothing
         received[:, 1, 0, D] = float("-inf")  # sequence 1, head 0: no member owns anything
-        got = dcp_merge(received, torch.bfloat16)
+        got = dcp_merge(received.to(KERNEL_DEVICE), torch.bfloat16).cpu()
         want = k3.dcp_merge(received, torch.float32)
         assert got.dtype == torch.bfloat16 and torch.equal(got[1, 0], torch.zeros(D).bfloat16())
         assert_close_scaled(got, want, torch.bfloat16, roundings=DCP_MERGE(torch.bfloat16), dims=-1,
-                            truncates=True, what="merged rows")  # CPU tensors: the interpreter
+                            truncates=KERNEL_DEVICE == "cpu", what="merged rows")
 
 
 def test_dcp_merge_kernels_compile_for_every_gpu_target():

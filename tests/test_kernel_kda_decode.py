@@ -63,7 +63,7 @@ _child_runs: dict[str, tuple[dict[str, str], str]] = {}
 
 
 def _run_child(mode: str) -> tuple[dict[str, str], str]:
-    """Run the tests of ``mode`` in a child pytest set up for it: ({node id: outcome}, output)."""
+    """Run the tests of ``mode`` in a child pytest set up for it: ({test name: outcome}, output)."""
     env = {**os.environ, _CHILD_ENV: "1"}
     if mode == "interpret":
         env["TRITON_INTERPRET"] = "1"
@@ -78,7 +78,9 @@ def _run_child(mode: str) -> tuple[dict[str, str], str]:
                           timeout=600)
     output = proc.stdout + proc.stderr
     lines = re.finditer(r"^(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$", output, re.MULTILINE)
-    outcomes = {m.group(2): m.group(1) for m in lines}
+    # Keyed by the test's name within this file: the child's node ids are relative to its
+    # own working directory, the parent's to wherever pytest was started.
+    outcomes = {m.group(2).split("::", 1)[-1]: m.group(1) for m in lines}
     return outcomes, output
 
 
@@ -92,7 +94,7 @@ def runs_here(request: pytest.FixtureRequest, mode: str) -> bool:
     if mode not in _child_runs:
         _child_runs[mode] = _run_child(mode)
     outcomes, output = _child_runs[mode]
-    outcome = outcomes.get(request.node.nodeid)
+    outcome = outcomes.get(request.node.nodeid.split("::", 1)[-1])
     assert outcome == "PASSED", f"{request.node.nodeid}: {outcome} in the child pytest\n{output[-8000:]}"
     return False
 

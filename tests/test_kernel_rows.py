@@ -15,7 +15,7 @@ import inspect
 import pytest
 import torch
 from fast_interpreter import fast_interpreter
-from tolerances import ROWS, ROWS_OP_REFERENCE, assert_close_scaled
+from tolerances import ROWS, ROWS_OP_REFERENCE, Roundings, assert_close_scaled
 
 from k3compile.runtime.kernels import aot, rows
 
@@ -37,9 +37,11 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: nan(empty_like(*args, **kwargs)))
 
 
-def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, dims: int | None = None, what: str = "out"):
+def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, dims: int | None = None, what: str = "out",
+          roundings: Roundings = ROWS):
     """The kernel's output against an fp32 reference: ROWS, bf16 truncated when interpreted."""
-    assert_close_scaled(got, want, dtype, roundings=ROWS(dtype), dims=dims, truncates=rows._INTERPRETED, what=what)
+    assert_close_scaled(got, want, dtype, roundings=roundings(dtype), dims=dims, truncates=rows._INTERPRETED,
+                        what=what)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,7 +91,9 @@ def test_add_rank_block_linear_matches_the_reference(rank, T, dtype):
     want[:, rank * n:(rank + 1) * n] += x.cpu().float() @ w.cpu().float().T
     ref = torch.ops.k3.add_rank_block_linear(acc.cpu(), x.cpu(), w.cpu(), start.cpu())
     assert got.dtype == ref.dtype == dtype
-    check(got, want, dtype)
+    # Beyond the split-K kernel's rows the vendor GEMM rounds x @ W^T before the add, as the
+    # op reference does (on an H200 cuBLAS's bf16 product needs that second rounding).
+    check(got, want, dtype, roundings=ROWS if T <= rows.SPLITK_MAX_T else ROWS_OP_REFERENCE)
     assert_close_scaled(ref, want, dtype, roundings=ROWS_OP_REFERENCE(dtype), what="op reference")
     outside = torch.ones(N, dtype=torch.bool)
     outside[rank * n:(rank + 1) * n] = False
