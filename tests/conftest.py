@@ -75,3 +75,14 @@ def compile_once(model_dirs, rank_pools, tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_stay_the_references():
+    """Registering the Triton kernels for "cpu" is process-wide and for good: a test that
+    did it in this process would hand every later test's CPU ops to the interpreter. Only
+    spawned ranks may (tests/test_triton_cpu.py)."""
+    yield
+    from k3compile.runtime.kernels import registered
+
+    assert not registered("cpu"), "this test registered the Triton kernels for cpu in the pytest process"
