@@ -211,7 +211,10 @@ class ProgramRun:
 
 
 @contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
+    """torch's intra-op work on one thread, restored after: the programs and references
+    run here are small, and extra threads only add overhead (and stall when other
+    processes load the CPU)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -335,7 +338,7 @@ class TranslationValidator:
         job = _Job(ctx.config, phase, self.seed, self.block_size, constants, dict(specs), self.tokens, ctx.plan,
                    program_layout(program.graph_module) is not None)
         if ctx.plan.tp == 1:
-            with _one_thread():
+            with one_thread():
                 return ProgramRun(phase, self.tokens, [_run_steps(job, ctx.plan, program)])
         return ProgramRun(phase, self.tokens, self._ranks(ctx.plan.tp).run(_run_rank, job, _program_bytes(program)))
 

@@ -30,6 +30,7 @@ from independent_k3 import Checkpoint, IndependentK3
 from k3compile import runtime
 from k3compile.batch import CacheShape
 from k3compile.reference import ReferenceEngine, load_reference
+from k3compile.validation import one_thread
 
 REL_TOL = 3e-5
 PROMPTS = [[5, 9, 100, 7, 3, 44, 21], [17, 300, 2], [11]]
@@ -39,12 +40,10 @@ DECODE_STEPS = 4
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def _one_thread():
     """Tiny float64 matmuls on a shared 2-core machine run 10-30x slower with 2 threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def assert_close(mine: torch.Tensor, theirs: torch.Tensor, what: str) -> float:

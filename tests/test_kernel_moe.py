@@ -31,7 +31,6 @@ Routing weights (fp32): ROUTE_WEIGHTS roundings of each weight.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,6 +47,7 @@ import k3compile.ops  # noqa: E402,F401  (registers torch.ops.k3)
 from k3compile.checkpoint.mxfp4 import unpack_mxfp4  # noqa: E402
 from k3compile.ops import moe as moe_ops  # noqa: E402
 from k3compile.runtime.kernels import aot, moe, routing  # noqa: E402
+from k3compile.validation import one_thread  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -112,19 +112,7 @@ def _near_boundary(x: torch.Tensor, dtype: torch.dtype, slack: torch.Tensor) -> 
     return (x - r).abs() >= spacing / 2 - slack
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """The references' small torch ops on one thread (intra-op threads only add overhead
-    at these sizes, and stall when other processes load the CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@_one_thread()
+@one_thread()
 def _mirror(z, weights, ids, w, drop_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 with the kernel's rounding points: bf16 z and h as matrix operands (h first
     stored in z's dtype), everything else exact; ``drop_slot``: that k slot left out.
@@ -247,7 +235,7 @@ def _run_case(T, K, shape, plan, pattern, dtype=torch.bfloat16, E=16, seed=0, ch
     mirror = _mirror(z, weights, ids, w)
     _check(got, mirror[0], _mirror_tol(mirror, dtype), "experts vs the fp64 mirror")
     if check_op:
-        with _one_thread():
+        with one_thread():
             ref = moe_ops.moe_experts_mxfp4(z, weights, ids, *w, BETA, LINEAR_BETA)
         _check(got, ref, _op_tol(ref, dtype), "experts vs the op's reference")
     return z, weights, ids, w, got
