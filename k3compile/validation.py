@@ -23,7 +23,6 @@ and no copy of the program is needed.
 from __future__ import annotations
 
 import functools
-import io
 import random
 import time
 from collections.abc import Iterator
@@ -34,14 +33,14 @@ import torch
 from torch import Tensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx import GraphModule
 
-import k3compile.ops  # noqa: F401  (ranks deserialize programs that call torch.ops.k3.*)
+import k3compile.ops  # noqa: F401  (ranks unpack programs that call torch.ops.k3.*)
 from k3compile.batch import CacheShape, KDALayerCache, allocate_caches, flatten_caches
 from k3compile.checkpoint.generate import stored_random_tensor
 from k3compile.config import K3Config
 from k3compile.context_parallel import ContextLayout, localize_step, mla_cache_indices, program_layout
 from k3compile.distributed import RankPool, RankPools, init_context_parallel
+from k3compile.rank_program import RankProgram
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
 
 
@@ -77,7 +76,7 @@ def _stored(cfg: K3Config, name: str, spec: ShardSpec, seed: int) -> Tensor:
 
 def random_parameters(
     cfg: K3Config,
-    program: ExportedProgram,
+    program: RankProgram,
     specs: dict[str, ShardSpec],
     plan: ParallelPlan,
     seed: int = 0,
@@ -87,12 +86,11 @@ def random_parameters(
     the storage its spec declares: MXFP4 experts as codes and scales), and its per-rank
     constant buffers."""
     params: dict[str, Tensor] = {name: c.tensor(plan) for name, c in (constants or {}).items()}
-    for spec_in in program.graph_signature.input_specs:
-        if spec_in.kind != InputKind.PARAMETER:
+    for kind, name in program.inputs:
+        if kind != InputKind.PARAMETER:
             continue
-        name = spec_in.target
         spec = specs[name]
-        dtype = program.state_dict[name].dtype
+        dtype = program.dtypes[name]
         parts = [_stored(cfg, n, spec, seed)[spec.local_index(plan)] for n in spec.names]
         params[name] = (torch.stack(parts) if spec.stacked else parts[0]).to(dtype).contiguous()
     return params
@@ -157,13 +155,13 @@ def random_step_inputs(
     ]
 
 
-def run_graph(gm: GraphModule, program: ExportedProgram, params: dict[str, Tensor], user_inputs: list) -> list[Tensor]:
+def run_graph(program: RankProgram, params: dict[str, Tensor], user_inputs: list) -> list[Tensor]:
     """Call a program's graph with its parameters and flattened user inputs."""
     flat_user = torch.utils._pytree.tree_leaves(user_inputs)
     it = iter(flat_user)
     lifted = (InputKind.PARAMETER, InputKind.BUFFER)
-    args = [params[s.target] if s.kind in lifted else next(it) for s in program.graph_signature.input_specs]
-    out = gm(*args)
+    args = [params[name] if kind in lifted else next(it) for kind, name in program.inputs]
+    out = program.graph_module(*args)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
@@ -223,11 +221,11 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _run_steps(job: _Job, plan: ParallelPlan, program: ExportedProgram) -> list[dict]:
+def _run_steps(job: _Job, plan: ParallelPlan, program: RankProgram) -> list[dict]:
     """``program``'s results on this rank's slice of the validation steps. A program in the
     context-parallel layout gets each step as this rank sees it there (its own MLA
     positions, block table and slot mapping)."""
-    dtype = next(t.dtype for t in program.state_dict.values() if t.is_floating_point())  # the model's
+    dtype = next(d for d in program.dtypes.values() if d.is_floating_point)  # the model's
     layout = ContextLayout.of(plan)
     mla = mla_cache_indices(job.config.layer_kinds)
     params = random_parameters(job.config, program, job.specs, plan, job.seed, job.constants)
@@ -239,7 +237,7 @@ def _run_steps(job: _Job, plan: ParallelPlan, program: ExportedProgram) -> list[
         local = localize_step(job.config.layer_kinds, inputs, layout) if job.split else None
         inputs = local.inputs if local else inputs
         with torch.no_grad():
-            outputs = run_graph(program.graph_module, program, params, inputs)
+            outputs = run_graph(program, params, inputs)
         caches = list(inputs[-1])
         if local is not None:  # the owned positions, in the order of the global ones
             for k in mla:
@@ -266,20 +264,13 @@ def _compare_steps(before: list[dict], after: list[dict], tokens: tuple[int, ...
     return errors
 
 
-def _program_bytes(program: ExportedProgram) -> bytes:
-    from k3compile.artifact_writer import save_program
-
-    buf = io.BytesIO()
-    save_program(program, buf)
-    return buf.getvalue()
-
-
 def _run_rank(rank: int, world: int, job: _Job, program: bytes) -> list[dict]:
-    """One gloo rank of a multi-rank run (by ``RankPool``)."""
+    """One gloo rank of a multi-rank run (by ``RankPool``): ``program`` is a packed
+    :class:`RankProgram`."""
     torch.set_num_threads(1)
     plan = job.plan.for_rank(rank)
     init_context_parallel(plan)
-    return _run_steps(job, plan, torch.export.load(io.BytesIO(program)))
+    return _run_steps(job, plan, RankProgram.unpack(program))
 
 
 class TranslationValidator:
@@ -339,8 +330,9 @@ class TranslationValidator:
                    program_layout(program.graph_module) is not None)
         if ctx.plan.tp == 1:
             with one_thread():
-                return ProgramRun(phase, self.tokens, [_run_steps(job, ctx.plan, program)])
-        return ProgramRun(phase, self.tokens, self._ranks(ctx.plan.tp).run(_run_rank, job, _program_bytes(program)))
+                return ProgramRun(phase, self.tokens, [_run_steps(job, ctx.plan, RankProgram.of(program))])
+        packed = RankProgram.of(program).pack()
+        return ProgramRun(phase, self.tokens, self._ranks(ctx.plan.tp).run(_run_rank, job, packed))
 
     def compare(self, before: ProgramRun, after: ProgramRun, ctx) -> ValidationReport:
         """The errors of ``after`` against ``before``: the worst over ranks per tensor."""

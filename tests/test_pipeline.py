@@ -20,6 +20,7 @@ from k3compile.pipeline import (
     resolve_passes,
     run_pipeline,
 )
+from k3compile.rank_program import RankProgram
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import get_target
 from k3compile.validation import TranslationValidator, random_parameters, random_step_inputs, run_graph
@@ -90,9 +91,10 @@ def test_validator_measures_the_error_of_a_wrong_pass(captured):
 def test_random_step_inputs_are_valid_steps(captured):
     """The validation inputs run through the graph and give finite, non-trivial logits."""
     program = captured.programs["prefill"]
+    program = RankProgram.of(program)
     params = random_parameters(captured.config, program, captured.specs, captured.plan, constants=captured.constants)
     inputs = random_step_inputs(captured.config, captured.plan, "prefill", torch.float32, 16, seed=3)
-    (logits,) = run_graph(program.graph_module, program, params, inputs)
+    (logits,) = run_graph(program, params, inputs)
     assert logits.shape == (inputs[0].shape[0], captured.config.vocab_size)
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 
