@@ -18,6 +18,7 @@ default group that the runtime's ``init_process_group`` creates.
 
 from __future__ import annotations
 
+import copy
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -182,3 +183,30 @@ def capture(
         specs, constants = shard_specs(step), rank_constants(step)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return CapturedModel(cfg, plan, dtype, block_size, programs, specs, stats, constants)
+
+
+class CaptureCache:
+    """Captured models kept for later compiles of the same config, plan, dtype and block
+    size, for callers that compile one model several ways in one process (a test session,
+    a notebook comparing options): exporting takes seconds even for the tiny presets,
+    copying a capture a fraction of one. Each :meth:`get` returns a copy, since passes
+    rewrite the programs in place."""
+
+    def __init__(self) -> None:
+        self._captured: dict[tuple, CapturedModel] = {}
+
+    def get(
+        self,
+        cfg: K3Config,
+        plan: ParallelPlan,
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int = 16,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> CapturedModel:
+        """``capture(cfg, plan, dtype, block_size)`` (every phase), exported on first use."""
+        key = (cfg, plan, dtype, block_size)
+        if key not in self._captured:
+            self._captured[key] = capture(cfg, plan, dtype, block_size, PHASES, on_phase)
+        elif on_phase:
+            on_phase("(cached)")
+        return copy.deepcopy(self._captured[key])

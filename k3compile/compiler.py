@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from k3compile.artifact_writer import save_artifact
-from k3compile.capture import PHASES, CapturedModel, capture
+from k3compile.capture import PHASES, CaptureCache, CapturedModel, capture
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter, load_checkpoint_config
 from k3compile.distributed import RankPools
-from k3compile.pipeline import PipelineOptions, PipelineResult, pass_configs, run_pipeline
+from k3compile.pipeline import PipelineOptions, PipelineResult, pass_configs, resolve_passes, run_pipeline
 from k3compile.placement import propagate_placements
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import get_target
@@ -84,25 +84,30 @@ def optimize(
     overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
     ranks: RankPools | None = None,
+    captures: CaptureCache | None = None,
 ) -> CompileResult:
     """Compile ``model_dir`` for ``options`` into the artifact directory ``out_dir``.
     Validation at TP > 1 runs on ``ranks`` when given (pools kept across compiles), else
-    on ranks started for this compile."""
+    on ranks started for this compile; with ``captures``, a model captured by an earlier
+    compile of the same config, plan, dtype and block size is copied, not exported again."""
     model_dir = Path(model_dir)
     say = on_step or (lambda _msg: None)
     cfg = load_checkpoint_config(model_dir)
     plan = ParallelPlan(options.tp, 0, options.dcp, options.dcp_interleave)
-    captured = capture(
-        cfg, plan, DTYPES[options.dtype], options.block_size, PHASES, on_phase=lambda p: say(f"capture {p}")
-    )
-    say("check checkpoint")
-    check_checkpoint_headers(model_dir, captured)
-    for program in captured.programs.values():
-        propagate_placements(program.graph_module, program, captured.specs, plan)
     pipeline_options = PipelineOptions(
         target=options.target, enable=options.enable, disable=options.disable, validate=options.validate,
         rtol=options.rtol, pass_configs=pass_configs(options.pass_configs),
     )
+    resolve_passes(get_target(options.target), pipeline_options, plan)  # unknown or required passes fail here
+    dtype, on_phase = DTYPES[options.dtype], lambda p: say(f"capture {p}")
+    if captures is not None:
+        captured = captures.get(cfg, plan, dtype, options.block_size, on_phase)
+    else:
+        captured = capture(cfg, plan, dtype, options.block_size, PHASES, on_phase)
+    say("check checkpoint")
+    check_checkpoint_headers(model_dir, captured)
+    for program in captured.programs.values():
+        propagate_placements(program.graph_module, program, captured.specs, plan)
     validator = (
         TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants, ranks=ranks)
         if options.validate

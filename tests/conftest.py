@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -54,14 +55,31 @@ def rank_pools():
 
 
 @pytest.fixture(scope="session")
-def compile_once(model_dirs, rank_pools, tmp_path_factory):
+def captures():
+    """Captured models shared by every compile of the session (k3compile.capture.CaptureCache):
+    the tests compile the same tiny configs many ways, and each export takes seconds."""
+    from k3compile.capture import CaptureCache
+
+    return CaptureCache()
+
+
+@pytest.fixture(scope="session")
+def optimize_shared(rank_pools, captures):
+    """``k3compile.compiler.optimize`` with the session's rank pools and captures."""
+    from k3compile.compiler import optimize
+
+    return functools.partial(optimize, ranks=rank_pools, captures=captures)
+
+
+@pytest.fixture(scope="session")
+def compile_once(model_dirs, optimize_shared, tmp_path_factory):
     """compile_once(preset, experts="bf16", **options) -> the CompileResult of
     ``model_dirs(preset, experts)`` compiled with ``CompileOptions(**options)``, once per
     session. At TP1 it is translation-validated unless ``validate=False`` is asked (cheap
     there, and one artifact then serves tests that check the pass records and tests that
     only run it); at TP > 1 only when asked (validation runs on gloo ranks). Shared: a test
     must not change the result or the artifact directory (copy it first)."""
-    from k3compile.compiler import CompileOptions, optimize
+    from k3compile.compiler import CompileOptions
 
     root = tmp_path_factory.mktemp("compiled")
     cache: dict[str, object] = {}
@@ -71,7 +89,7 @@ def compile_once(model_dirs, rank_pools, tmp_path_factory):
         key = repr((preset, experts, CompileOptions(**options)))
         if key not in cache:
             out = root / f"{preset}-{experts}-{len(cache)}"
-            cache[key] = optimize(model_dirs(preset, experts), out, CompileOptions(**options), ranks=rank_pools)
+            cache[key] = optimize_shared(model_dirs(preset, experts), out, CompileOptions(**options))
         return cache[key]
 
     return get

@@ -143,14 +143,13 @@ def test_localize_step_moves_owned_history_and_maps_new_tokens():
 # ----------------------------------------------------------------------------- the pass
 
 
-def _compile(model_dir, out, tp: int, dcp: int, interleave: int = 1, validate: bool = False,
-             merge: str = "all-to-all", ranks=None):
-    """Float32 artifact; when validating, only the DCP pass runs (validation on gloo ranks
-    after every pass is what makes these tests slow)."""
+def _compile(compile_once, tp: int, dcp: int, interleave: int = 1, validate: bool = False,
+              merge: str = "all-to-all"):
+    """tiny's float32 artifact, compiled once per session; when validating, only the DCP
+    pass runs (the others are validated by their own tests)."""
     others = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies") if validate else ()
-    options = CompileOptions(tp=tp, dcp=dcp, dcp_interleave=interleave, dtype="float32", validate=validate,
-                             disable=others, pass_configs={"split_mla_context": {"merge": merge}})
-    return optimize(model_dir, out, options, overwrite=True, ranks=ranks)
+    return compile_once("tiny", tp=tp, dcp=dcp, dcp_interleave=interleave, dtype="float32", validate=validate,
+                        disable=others, pass_configs={"split_mla_context": {"merge": merge}})
 
 
 def _rank_run(rank: int, world: int, out):
@@ -183,10 +182,9 @@ def _check_like_dcp1(base: list, split: list, dcp: int) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_path, rank_pools):
+def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools):
     """merge="reduce-scatter": validated on gloo ranks, placements, runs like DCP1."""
-    model = model_dirs("tiny")
-    result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True, merge="reduce-scatter", ranks=rank_pools)
+    result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="reduce-scatter")
     cfg = result.captured.config
     n_mla = sum(kind == "mla" for kind in cfg.layer_kinds)
     records = {r.phase: r for r in result.pipeline.records if r.pass_name == "split_mla_context"}
@@ -208,17 +206,16 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_pat
     assert len(merged) == n_mla and all(n.meta["placement"] == Shard(1) for n in merged)
     assert all(n.meta["placement"] == Replicate() for n in gm.graph.nodes if n.name == "seq_lens")
 
-    base = _compile(model, tmp_path / "dcp1", tp=2, dcp=1).out_dir
+    base = _compile(compile_once, tp=2, dcp=1).out_dir
     ranks = rank_pools.get(2)
     _check_like_dcp1(ranks.run(_rank_run, base), ranks.run(_rank_run, result.out_dir), dcp=2)
 
 
 @pytest.mark.slow
-def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs, tmp_path, rank_pools):
+def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools):
     """merge="all-to-all" (the default): one collective less per MLA layer; TP2/DCP2
     validated on gloo ranks and run like DCP1 (TP4/DCP4 with it: the next test)."""
-    model = model_dirs("tiny")
-    result = _compile(model, tmp_path / "dcp2", tp=2, dcp=2, validate=True, merge="all-to-all", ranks=rank_pools)
+    result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="all-to-all")
     n_mla = sum(kind == "mla" for kind in result.captured.config.layer_kinds)
     decode = next(r for r in result.pipeline.records if r.pass_name == "split_mla_context" and r.phase == "decode")
     assert decode.result.stats["collectives_added"] == 2 * n_mla
@@ -235,29 +232,28 @@ def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(model_dirs,
     assert all(n.meta["placement"] == Shard(1) for n in merged)  # this rank's own heads, as without DCP
     assert not any(n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default for n in gm.graph.nodes)
 
-    base = _compile(model, tmp_path / "dcp1", tp=2, dcp=1).out_dir
+    base = _compile(compile_once, tp=2, dcp=1).out_dir
     ranks = rank_pools.get(2)
     _check_like_dcp1(ranks.run(_rank_run, base), ranks.run(_rank_run, result.out_dir), dcp=2)
 
 
 @pytest.mark.sweep
-def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(model_dirs, tmp_path, rank_pools):
+def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(compile_once, rank_pools):
     """DCP4 with either merge (prompts of 1 and 2 tokens: members that own nothing)."""
-    model = model_dirs("tiny")
     ranks = rank_pools.get(4)
-    base = ranks.run(_rank_run, _compile(model, tmp_path / "dcp1", tp=4, dcp=1).out_dir)
-    dcp2 = _compile(model, tmp_path / "dcp2", tp=4, dcp=2, interleave=2).out_dir
+    base = ranks.run(_rank_run, _compile(compile_once, tp=4, dcp=1).out_dir)
+    dcp2 = _compile(compile_once, tp=4, dcp=2, interleave=2).out_dir
     _check_like_dcp1(base, ranks.run(_rank_run, dcp2), dcp=2)
     for merge in ("reduce-scatter", "all-to-all"):
-        dcp4 = _compile(model, tmp_path / f"dcp4-{merge}", tp=4, dcp=4, merge=merge).out_dir
+        dcp4 = _compile(compile_once, tp=4, dcp=4, merge=merge).out_dir
         _check_like_dcp1(base, ranks.run(_rank_run, dcp4), dcp=4)
 
 
-def test_pass_is_required_by_dcp_and_skips_at_dcp1(model_dirs, tmp_path):
+def test_pass_is_required_by_dcp_and_skips_at_dcp1(model_dirs, tmp_path, optimize_shared):
     with pytest.raises(ValueError, match="dcp=2 needs pass split_mla_context"):
         optimize(model_dirs("tiny"), tmp_path / "x", CompileOptions(tp=2, dcp=2, disable=("split_mla_context",)))
     assert not (tmp_path / "x").exists()
-    result = optimize(model_dirs("tiny"), tmp_path / "y", CompileOptions(tp=1, enable=("split_mla_context",)))
+    result = optimize_shared(model_dirs("tiny"), tmp_path / "y", CompileOptions(tp=1, enable=("split_mla_context",)))
     (decode, prefill) = [r for r in result.pipeline.records if r.pass_name == "split_mla_context"]
     assert not decode.result.changed and {s.reason for s in decode.result.skipped} == {
         "dcp=1: every rank keeps the whole MLA history"}
@@ -356,11 +352,10 @@ def test_dcp_merge_kernels_compile_for_every_gpu_target():
         assert report.spills in (0, None), report
 
 
-def test_pad_heads_runs_after_dcp_on_the_gathered_heads(model_dirs, tmp_path):
+def test_pad_heads_runs_after_dcp_on_the_gathered_heads(compile_once):
     """tiny-h24 at TP2 (12 heads per rank, as K3 at TP8) for h200 with DCP2: the DCP pass
     gathers 24 heads, then pad_attention_heads pads those 24 to 32 (not 12 to 16)."""
-    result = optimize(model_dirs("tiny-h24"), tmp_path / "a",
-                      CompileOptions(tp=2, dcp=2, target="h200", dtype="float32"))
+    result = compile_once("tiny-h24", "mxfp4", tp=2, dcp=2, target="h200", dtype="float32")
     names = [r.pass_name for r in result.pipeline.records if r.phase == "decode"]
     assert names.index("split_mla_context") < names.index("pad_attention_heads")
     pad = next(r for r in result.pipeline.records if r.pass_name == "pad_attention_heads" and r.phase == "decode")

@@ -14,7 +14,7 @@ import torch
 from k3compile import runtime
 from k3compile.artifact import load_artifact
 from k3compile.capture import capture
-from k3compile.compiler import CompileOptions, optimize
+from k3compile.compiler import CompileOptions
 from k3compile.config import get_preset
 from k3compile.passes.dedup_replicated_linear import DedupReplicatedLinear
 from k3compile.pipeline import PassContext
@@ -44,13 +44,13 @@ def _rank_run(rank: int, world: int, out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.sweep)])
-def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp, rank_pools):
+def test_dedup_matches_unoptimized_on_gloo_ranks(model_dirs, tmp_path, tp, rank_pools, optimize_shared):
     model_dir = model_dirs("tiny", "mxfp4")
     plain, deduped = tmp_path / "plain", tmp_path / "dedup"
     others = ("remove_noops", "mxfp4_experts", "sink_copies")
-    optimize(model_dir, plain, CompileOptions(tp=tp, dtype="float32", disable=(*others, "dedup_replicated_linear")))
-    result = optimize(model_dir, deduped, CompileOptions(tp=tp, dtype="float32", validate=True, disable=others),
-                      ranks=rank_pools)
+    optimize_shared(model_dir, plain, CompileOptions(tp=tp, dtype="float32",
+                                                     disable=(*others, "dedup_replicated_linear")))
+    result = optimize_shared(model_dir, deduped, CompileOptions(tp=tp, dtype="float32", validate=True, disable=others))
 
     cfg = result.captured.config
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]

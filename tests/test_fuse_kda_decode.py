@@ -15,9 +15,8 @@ import pytest
 import torch
 from k3compile.passes.fuse_kda_decode import FuseKDADecode
 
-import k3compile.ops.kda_fused  # registers k3.kda_decode_fused (until k3compile.ops imports it)
 from k3compile import runtime
-from k3compile.compiler import CompileOptions, optimize
+from k3compile.compiler import CompileOptions
 from k3compile.pipeline import PassContext, count_ops, lint_graph
 from k3compile.targets import get_target
 
@@ -30,13 +29,13 @@ PROMPTS = [[5, 9, 100, 7, 3], [17, 4], [300]]
 NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
-def compiled(model_dirs, compile_once, tmp_path_factory):
+def compiled(model_dirs, compile_once, optimize_shared, tmp_path_factory):
     """(plain, fused) CompileResults of tiny in fp32 (target cpu, where the pass is not on by
     default); the fused one validated."""
     model_dir = model_dirs("tiny")
     root = tmp_path_factory.mktemp("fuse_kda")
     plain = compile_once("tiny", dtype="float32")
-    fused = optimize(model_dir, root / "fused", CompileOptions(dtype="float32", validate=True,
+    fused = optimize_shared(model_dir, root / "fused", CompileOptions(dtype="float32", validate=True,
                                                                 enable=(FuseKDADecode.name,)))
     return plain, fused
 
@@ -140,9 +139,9 @@ def test_op_schema_and_fake():
 
 
 @pytest.mark.slow
-def test_fused_at_tp2_validates_on_gloo_ranks(model_dirs, tmp_path, rank_pools):
-    result = optimize(model_dirs("tiny"), tmp_path / "tp2", CompileOptions(
-        tp=2, dtype="float32", validate=True, enable=(FuseKDADecode.name,)), ranks=rank_pools)
+def test_fused_at_tp2_validates_on_gloo_ranks(model_dirs, tmp_path, optimize_shared):
+    result = optimize_shared(model_dirs("tiny"), tmp_path / "tp2", CompileOptions(
+        tp=2, dtype="float32", validate=True, enable=(FuseKDADecode.name,)))
     decode = next(r for r in result.pipeline.records if r.pass_name == FuseKDADecode.name)
     assert decode.result.matches == _kda_layers(result)
     assert decode.report.ok and decode.report.max_error == 0.0  # on 2 gloo ranks

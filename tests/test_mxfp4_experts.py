@@ -66,9 +66,10 @@ def test_runtime_holds_the_checkpoint_bytes(model_dirs, compile_once):
 
 
 @pytest.mark.parametrize("preset", ["tiny", *(pytest.param(p, marks=pytest.mark.sweep) for p in ("tiny-h24", "tiny-linear"))])
-def test_greedy_tokens_are_the_same_with_the_pass_on_and_off(model_dirs, compile_once, tmp_path, preset):
+def test_greedy_tokens_are_the_same_with_the_pass_on_and_off(model_dirs, compile_once, optimize_shared, tmp_path,
+                                                             preset):
     off = tmp_path / "off"
-    optimize(model_dirs(preset, "mxfp4"), off, CompileOptions(dtype="float32", disable=("mxfp4_experts",)))
+    optimize_shared(model_dirs(preset, "mxfp4"), off, CompileOptions(dtype="float32", disable=("mxfp4_experts",)))
     tokens = {}
     for label, out in (("on", compile_once(preset, "mxfp4", dtype="float32").out_dir), ("off", off)):
         rt = runtime.load(out, rank=0, world_size=1, options=OPTIONS)
@@ -166,15 +167,15 @@ def _generate_on_rank(rank: int, world: int, artifact) -> tuple[list[list[int]],
 
 
 @pytest.mark.slow
-def test_tp2_ranks_hold_their_slice_and_greedy_tokens_match_the_pass_off(model_dirs, compile_once, tmp_path,
-                                                                        rank_pools):
+def test_tp2_ranks_hold_their_slice_and_greedy_tokens_match_the_pass_off(model_dirs, compile_once, optimize_shared,
+                                                                        tmp_path, rank_pools):
     """TP2 on gloo: the same tokens with the pass on and off, and each rank holds its half
     of w2's input dim as the checkpoint's bytes: codes and scale groups, nothing else."""
     from safetensors import safe_open
 
     model_dir = model_dirs("tiny", "mxfp4")
     runs = {}
-    optimize(model_dir, tmp_path / "off", CompileOptions(tp=2, dtype="float32", disable=("mxfp4_experts",)))
+    optimize_shared(model_dir, tmp_path / "off", CompileOptions(tp=2, dtype="float32", disable=("mxfp4_experts",)))
     ranks = rank_pools.get(2)
     runs["on"] = ranks.run(_generate_on_rank, compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir)
     runs["off"] = ranks.run(_generate_on_rank, tmp_path / "off")

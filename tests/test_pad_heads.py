@@ -25,7 +25,7 @@ import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile import runtime
 from k3compile.artifact import load_artifact
 from k3compile.capture import capture
-from k3compile.compiler import CompileOptions, optimize
+from k3compile.compiler import CompileOptions
 from k3compile.config import get_preset
 from k3compile.kernel_tables import ReferenceKernel, fast_attention_kernel, kernel_table, next_accepted_heads
 from k3compile.ops import mla
@@ -231,16 +231,15 @@ def test_memory_plan_runs_the_pass_and_sees_no_memory_change():
 # ---------------------------------------------------------------------------
 
 
-def _compile_pair(model_dirs, tmp_path, tp: int, ranks=None):
+def _compile_pair(model_dirs, optimize_shared, tmp_path, tp: int):
     """(plain, padded) artifacts for h200; the padded one validated pass by pass."""
     model_dir = model_dirs("tiny-h24")
     plain, padded = tmp_path / "plain", tmp_path / "padded"
     others = _other_passes()
-    optimize(model_dir, plain, CompileOptions(tp=tp, target="h200", dtype="float32",
-                                              disable=(*others, PadAttentionHeads.name)))
-    result = optimize(model_dir, padded, CompileOptions(tp=tp, target="h200", dtype="float32", validate=True,
-                                                        enable=(PadAttentionHeads.name,), disable=others),
-                      ranks=ranks)
+    optimize_shared(model_dir, plain, CompileOptions(tp=tp, target="h200", dtype="float32",
+                                                     disable=(*others, PadAttentionHeads.name)))
+    result = optimize_shared(model_dir, padded, CompileOptions(tp=tp, target="h200", dtype="float32", validate=True,
+                                                               enable=(PadAttentionHeads.name,), disable=others))
     artifact = load_artifact(padded)
     assert artifact.info.block_size == 64  # h200's default: the split-KV kernel's TMA tiles fit a block
     decode = artifact.programs["decode"]  # the new ops survive the .pt2 round trip
@@ -275,15 +274,15 @@ def _check_same_outputs(base, padded) -> None:
         assert tokens_p == tokens_b and all(len(t) == NEW_TOKENS for t in tokens_p)
 
 
-def test_tp1_pads_24_heads_to_32_and_runs_like_the_unpadded_artifact(model_dirs, tmp_path):
-    plain, padded, records = _compile_pair(model_dirs, tmp_path, tp=1)
+def test_tp1_pads_24_heads_to_32_and_runs_like_the_unpadded_artifact(model_dirs, optimize_shared, tmp_path):
+    plain, padded, records = _compile_pair(model_dirs, optimize_shared, tmp_path, tp=1)
     _check_records(records, 24, 32)  # validated in-process at TP1
     _check_same_outputs([_rank_run(0, 1, plain)], [_rank_run(0, 1, padded)])
 
 
 @pytest.mark.slow
-def test_tp2_pads_12_heads_to_16_validated_on_gloo_ranks(model_dirs, tmp_path, rank_pools):
-    plain, padded, records = _compile_pair(model_dirs, tmp_path, tp=2, ranks=rank_pools)
+def test_tp2_pads_12_heads_to_16_validated_on_gloo_ranks(model_dirs, optimize_shared, tmp_path, rank_pools):
+    plain, padded, records = _compile_pair(model_dirs, optimize_shared, tmp_path, tp=2)
     _check_records(records, 12, 16)  # validated on two gloo ranks
     ranks = rank_pools.get(2)
     _check_same_outputs(ranks.run(_rank_run, plain), ranks.run(_rank_run, padded))

@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from k3compile import runtime
 from k3compile.batch import CacheShape
-from k3compile.compiler import CompileOptions, optimize
+from k3compile.compiler import CompileOptions
 from k3compile.pipeline import GraphPass, PassContext, PassResult, reshard_parameter
 from k3compile.reference import ReferenceEngine, load_reference
 
@@ -70,21 +70,21 @@ def _rank_logits(rank: int, world: int, out):
 
 
 @pytest.mark.slow
-def test_resharded_parameter_validates_loads_and_runs_at_tp2(model_dirs, tmp_path, with_test_pass, rank_pools):
+def test_resharded_parameter_validates_loads_and_runs_at_tp2(model_dirs, tmp_path, with_test_pass, rank_pools,
+                                                             optimize_shared):
     model_dir = model_dirs("tiny")
     out = tmp_path / "resharded"
     # Only the test pass: the dedup pass would already have split the same weight.
     only = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies")
-    result = optimize(model_dir, out, CompileOptions(tp=2, dtype="float32", validate=True,
-                                                     enable=("gather_up_projection_rows",), disable=only),
-                      ranks=rank_pools)
+    result = optimize_shared(model_dir, out, CompileOptions(tp=2, dtype="float32", validate=True,
+                                                            enable=("gather_up_projection_rows",), disable=only))
     records = [r for r in result.pipeline.records if r.pass_name == "gather_up_projection_rows"]
     cfg = result.captured.config
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     assert [r.result.matches for r in records] == [moe_layers, moe_layers]
     assert all(r.report is not None and r.report.max_error < 1e-6 for r in records)  # checked on 2 gloo ranks
     plain = tmp_path / "plain"
-    optimize(model_dir, plain, CompileOptions(tp=2, dtype="float32", disable=only))
+    optimize_shared(model_dir, plain, CompileOptions(tp=2, dtype="float32", disable=only))
 
     reference = ReferenceEngine(load_reference(model_dir), CacheShape(4, 16, 16)).prefill(PROMPTS)[1]
     ranks = rank_pools.get(2)

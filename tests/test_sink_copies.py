@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 from k3compile import runtime
-from k3compile.compiler import CompileOptions, optimize
+from k3compile.compiler import CompileOptions
 from k3compile.passes.sink_copies import COND, SinkCopies, copies_confined_to_one_branch
 
 aten = torch.ops.aten
@@ -138,10 +138,10 @@ def _copy_kernels(out, batch: int) -> tuple[int, list[int]]:
 
 
 @pytest.mark.slow
-def test_tiny_k3_decode_step_loses_its_staging_copies(model_dirs, compile_once, tmp_path):
+def test_tiny_k3_decode_step_loses_its_staging_copies(model_dirs, compile_once, optimize_shared, tmp_path):
     model_dir = model_dirs("tiny")
     plain = tmp_path / "plain"
-    optimize(model_dir, plain, CompileOptions(dtype="float32", disable=("sink_copies",)))
+    optimize_shared(model_dir, plain, CompileOptions(dtype="float32", disable=("sink_copies",)))
     result = compile_once("tiny", dtype="float32")  # validated: both outcomes
     records = [r for r in result.pipeline.records if r.pass_name == "sink_copies"]
     kda_layers = sum(k == "kda" for k in result.captured.config.layer_kinds)

@@ -29,7 +29,6 @@ import torch
 from torch.fx import GraphModule
 
 from k3compile.artifact import load_artifact, read_artifact_info
-from k3compile.compiler import CompileOptions, optimize
 from k3compile.distributed import RankPool
 from k3compile.runtime import Runtime, RuntimeOptions
 
@@ -101,9 +100,8 @@ def _generate(rank: int, world: int, out) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(model_dirs, tmp_path, monkeypatch):
-    out = optimize(model_dirs("tiny-h24", "mxfp4"), tmp_path / "h200",
-                   CompileOptions(tp=2, dcp=2, target="h200", dtype="float32")).out_dir
+def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(compile_once, monkeypatch):
+    out = compile_once("tiny-h24", "mxfp4", tp=2, dcp=2, target="h200", dtype="float32").out_dir
     info = read_artifact_info(out)
     assert (info.target, info.tp, info.dcp, info.block_size) == ("h200", 2, 2, 64)
     changed = {p["pass"] for p in info.passes if p["phase"] == "decode" and p["changed"]}
