@@ -75,3 +75,26 @@ def test_stamped_export_is_the_export_of_the_whole_model():
             for a, b in zip(full, stamped):
                 assert a == b
     assert not any("forward" in vars(layer) for layer in model.model.layers)  # the recorder is gone
+
+
+def test_capture_cache_exports_once_and_hands_out_independent_copies():
+    """A cached capture is the export node for node, metadata included; a pass rewriting
+    one copy leaves the next one as exported."""
+    from k3compile.capture import CaptureCache, capture
+
+    cfg, plan = PRESETS["tiny"], ParallelPlan(2, 0)
+    cache, said = CaptureCache(), []
+    first = cache.get(cfg, plan, torch.float32, 16, said.append)
+    second = cache.get(cfg, plan, torch.float32, 16, said.append)
+    assert said == [*PHASES, "(cached)"]  # exported once
+    exported = capture(cfg, plan, torch.float32, 16)
+    for phase in PHASES:
+        assert _program(first.programs[phase]) == _program(second.programs[phase]) == _program(exported.programs[phase])
+    assert first.specs == second.specs == exported.specs and first.constants.keys() == exported.constants.keys()
+
+    node = next(n for n in first.programs["decode"].graph.nodes if n.op == "call_function")
+    node._rename("rewritten")
+    first.specs.clear()
+    third = cache.get(cfg, plan, torch.float32, 16)
+    assert _program(third.programs["decode"]) == _program(exported.programs["decode"])
+    assert third.specs == exported.specs

@@ -181,8 +181,14 @@ def _check_like_dcp1(base: list, split: list, dcp: int) -> None:
         assert "prefill starts new sequences only" in error
 
 
+@pytest.fixture(scope="module")
+def dcp1_runs(compile_once, rank_pools) -> list:
+    """``_rank_run`` on each TP2 rank with the DCP1 artifact: what both merges must match."""
+    return rank_pools.get(2).run(_rank_run, _compile(compile_once, tp=2, dcp=1).out_dir)
+
+
 @pytest.mark.slow
-def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools):
+def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools, dcp1_runs):
     """merge="reduce-scatter": validated on gloo ranks, placements, runs like DCP1."""
     result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="reduce-scatter")
     cfg = result.captured.config
@@ -206,13 +212,11 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_
     assert len(merged) == n_mla and all(n.meta["placement"] == Shard(1) for n in merged)
     assert all(n.meta["placement"] == Replicate() for n in gm.graph.nodes if n.name == "seq_lens")
 
-    base = _compile(compile_once, tp=2, dcp=1).out_dir
-    ranks = rank_pools.get(2)
-    _check_like_dcp1(ranks.run(_rank_run, base), ranks.run(_rank_run, result.out_dir), dcp=2)
+    _check_like_dcp1(dcp1_runs, rank_pools.get(2).run(_rank_run, result.out_dir), dcp=2)
 
 
 @pytest.mark.slow
-def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools):
+def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools, dcp1_runs):
     """merge="all-to-all" (the default): one collective less per MLA layer; TP2/DCP2
     validated on gloo ranks and run like DCP1 (TP4/DCP4 with it: the next test)."""
     result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="all-to-all")
@@ -232,9 +236,7 @@ def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_onc
     assert all(n.meta["placement"] == Shard(1) for n in merged)  # this rank's own heads, as without DCP
     assert not any(n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default for n in gm.graph.nodes)
 
-    base = _compile(compile_once, tp=2, dcp=1).out_dir
-    ranks = rank_pools.get(2)
-    _check_like_dcp1(ranks.run(_rank_run, base), ranks.run(_rank_run, result.out_dir), dcp=2)
+    _check_like_dcp1(dcp1_runs, rank_pools.get(2).run(_rank_run, result.out_dir), dcp=2)
 
 
 @pytest.mark.sweep
