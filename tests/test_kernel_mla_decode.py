@@ -39,6 +39,14 @@ from k3compile.runtime.kernels import mla_common as mc
 from k3compile.runtime.kernels import mla_decode as mk
 from k3compile.runtime.kernels import mla_split_kv as sk
 
+
+@pytest.fixture(autouse=True)
+def _faster_interpreter():
+    """Every test here under tests/fast_interpreter.py with the overflow checks kept."""
+    with fast_interpreter(overflow_checks=True):
+        yield
+
+
 DEVICE = "cuda" if torch.cuda.is_available() and not mc._INTERPRETED else "cpu"
 
 

@@ -32,7 +32,6 @@ Routing weights (fp32): ROUTE_WEIGHTS roundings of each weight.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -40,6 +39,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
 import pytest  # noqa: E402
+from fast_interpreter import fast_interpreter  # noqa: E402
 from tolerances import ROUTE_WEIGHTS, assert_close_scaled, assert_within  # noqa: E402
 from tolerances import UNIT_ROUNDOFF as U  # noqa: E402
 
@@ -48,6 +48,14 @@ from k3compile.checkpoint.mxfp4 import unpack_mxfp4  # noqa: E402
 from k3compile.ops import moe as moe_ops  # noqa: E402
 from k3compile.runtime.kernels import aot, moe, routing  # noqa: E402
 from k3compile.validation import one_thread  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _faster_interpreter():
+    """Every test here under tests/fast_interpreter.py with the overflow checks kept."""
+    with fast_interpreter(overflow_checks=True):
+        yield
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -478,20 +486,13 @@ TARGETS = ("gfx950", "gfx942", "sm_90")
 
 @pytest.fixture(scope="module")
 def aot_reports() -> dict[tuple[str, str], aot.KernelResources]:
-    """Every specialisation of moe.aot_requests for every target. Under the interpreter
-    aot compiles in a subprocess: two batches in two subprocesses at once (CI has 2 cores)."""
+    """Every specialisation of moe.aot_requests for every target, in one batch."""
     jobs = {(t, launch.name): launch.request(t) for t in TARGETS for launch in moe.aot_requests(t)}
     for t in ("gfx950", "gfx942"):  # one source: the H200's pair-major plan (vector units) compiles there too
         plans = moe.PLANS["sm_90"]
         jobs.update({(t, "sm_90 " + launch.name): launch.request(t) for launch in moe.aot_requests(t, plans=plans)
                      if "_pair_" in launch.name})
-    keys = list(jobs)
-    if aot._language_interpreted():
-        halves = [keys[0::2], keys[1::2]]
-        with ThreadPoolExecutor(2) as pool:
-            done = list(pool.map(lambda ks: aot.compile_many([jobs[k] for k in ks]), halves))
-        return {k: r for ks, rs in zip(halves, done, strict=True) for k, r in zip(ks, rs, strict=True)}
-    return dict(zip(keys, aot.compile_many(list(jobs.values())), strict=True))
+    return dict(zip(jobs, aot.compile_many(list(jobs.values())), strict=True))
 
 
 def test_aot_every_default_specialisation_fits(aot_reports):

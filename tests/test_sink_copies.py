@@ -125,14 +125,16 @@ def test_nested_conds_sink_to_the_innermost_reader():
         torch.testing.assert_close(after(x), before(x), rtol=0, atol=0)
 
 
-def _copy_kernels(out, batch: int) -> tuple[int, list[int]]:
-    """Copy ops (staging allocation + copy) run by one decode step, and its tokens."""
-    rt = runtime.load(out, options=runtime.RuntimeOptions(max_sequences=batch, max_context=32))
+def _copy_kernels(rt: runtime.Runtime, batch: int) -> tuple[int, list[int]]:
+    """Copy ops (staging allocation + copy) run by one decode step of ``batch`` new
+    sequences, and its tokens (the sequences are released after)."""
     prompts = [[5 + i, 9, 100] for i in range(batch)]
     seqs, logits = rt.prefill(prompts)
     tokens = logits.argmax(-1).tolist()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step = rt.decode(seqs, tokens)
+    for seq in seqs:
+        rt.release(seq)
     names = [e.name for e in prof.events()]
     return sum(n in ("aten::new_zeros", "aten::slice_scatter") for n in names), step.argmax(-1).tolist()
 
@@ -151,9 +153,11 @@ def test_tiny_k3_decode_step_loses_its_staging_copies(model_dirs, compile_once, 
         assert copies_confined_to_one_branch(program.graph_module) == []
         assert sum(n.target is COND for n in program.graph.nodes) == kda_layers
 
+    options = runtime.RuntimeOptions(max_sequences=17, max_context=32)
+    before, after = runtime.load(plain, options=options), runtime.load(result.out_dir, options=options)
     for batch in (2, 17):  # the fallback (GEMV) and the fast path
-        copies_before, tokens_before = _copy_kernels(plain, batch)
-        copies_after, tokens_after = _copy_kernels(result.out_dir, batch)
+        copies_before, tokens_before = _copy_kernels(before, batch)
+        copies_after, tokens_after = _copy_kernels(after, batch)
         assert tokens_after == tokens_before
         assert copies_before == 2 * kda_layers  # new_zeros + slice_scatter per KDA layer
         assert copies_after == (0 if batch < 16 else 2 * kda_layers)

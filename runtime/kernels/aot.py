@@ -29,7 +29,8 @@ at launch) and on the integer arguments named in ``divisible_by_16``.
 
 In a process where TRITON_INTERPRET was set before Triton was imported (CPU test runs)
 nothing can be compiled in-process, so :func:`compile_many` (and compile_for_target)
-compile in one fresh subprocess without it; batch requests to pay its start-up once.
+compile in fresh subprocesses without it (one per core); batch requests to pay their
+start-up once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -311,7 +313,7 @@ def _cubin_registers(cubin: bytes, name: str) -> tuple[int | None, int | None]:
 
 
 def _compile_in_subprocess(requests: list[CompileRequest], asm: str | None = None) -> list:
-    """Compile in a fresh process without TRITON_INTERPRET: each request's resources (as
+    """Compile in fresh processes without TRITON_INTERPRET: each request's resources (as
     dicts), or its ``asm`` text of that kind."""
     jobs = []
     for r in requests:
@@ -324,13 +326,24 @@ def _compile_in_subprocess(requests: list[CompileRequest], asm: str | None = Non
                      "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16), "asm": asm})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import _subprocess_main; _subprocess_main()"],
-        input=json.dumps(jobs), capture_output=True, text=True, env=env, check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"AOT compilation in a subprocess failed:\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def compile_part(part: list[dict]) -> list:
+        proc = subprocess.run(
+            [sys.executable, "-c", f"from {__name__} import _subprocess_main; _subprocess_main()"],
+            input=json.dumps(part), capture_output=True, text=True, env=env, check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"AOT compilation in a subprocess failed:\n{proc.stderr[-6000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # One process per core, each with every n-th job: compiling is single-threaded.
+    n = min(len(jobs), len(os.sched_getaffinity(0)))
+    with ThreadPoolExecutor(n) as pool:
+        parts = list(pool.map(compile_part, [jobs[i::n] for i in range(n)]))
+    results: list = [None] * len(jobs)
+    for i, part in enumerate(parts):
+        results[i::n] = part
+    return results
 
 
 def _subprocess_main() -> None:
