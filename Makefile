@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 
 # (2) The test suite (what CI runs): every test but the sweeps.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not sweep"
+	$(BIN)/python -m pytest -q -m "not sweep" --durations=10
 
 # Sweeps: CI checks repeated at more sizes and presets (TP4, DCP4, more presets).
 .PHONY: test-sweeps
