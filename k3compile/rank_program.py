@@ -22,7 +22,7 @@ import torch
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
 
 
@@ -42,6 +42,10 @@ class _GraphRecord:
     attributes: dict[str, _GraphRecord | torch.Tensor]
 
 
+def _ref(node: Node) -> _NodeRef:
+    return _NodeRef(node.name)
+
+
 def _record(gm: GraphModule) -> _GraphRecord:
     nodes, attributes = [], {}
     for n in gm.graph.nodes:
@@ -53,8 +57,7 @@ def _record(gm: GraphModule) -> _GraphRecord:
                 attributes[n.target] = value
             else:
                 raise TypeError(f"get_attr {n.target!r} reads a {type(value).__name__}: cannot send it to a rank")
-        ref = lambda a: _NodeRef(a.name)  # noqa: E731
-        nodes.append((n.name, n.op, n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref)))
+        nodes.append((n.name, n.op, n.target, map_arg(n.args, _ref), map_arg(n.kwargs, _ref)))
     return _GraphRecord(nodes, attributes)
 
 
@@ -66,8 +69,11 @@ def _graph_module(record: _GraphRecord) -> GraphModule:
         else:
             root.register_buffer(name, value)
     graph, env = Graph(), {}
+
+    def resolve(a: Any) -> Any:
+        return env[a.name] if isinstance(a, _NodeRef) else a
+
     for name, op, target, args, kwargs in record.nodes:
-        resolve = lambda a: env[a.name] if isinstance(a, _NodeRef) else a  # noqa: E731
         env[name] = graph.create_node(op, target, map_aggregate(args, resolve), map_aggregate(kwargs, resolve),
                                       name=name)
     return GraphModule(root, graph)

@@ -95,6 +95,17 @@ def compile_once(model_dirs, optimize_shared, tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def faster_interpreter():
+    """The test under tests/fast_interpreter.py with its integer overflow checks kept (the
+    same numerics as the plain interpreter for kernels without a combine function of their
+    own); kernel test modules ask for it with ``pytestmark``."""
+    from fast_interpreter import fast_interpreter
+
+    with fast_interpreter(overflow_checks=True):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _cpu_kernels_stay_the_references():
     """Registering the Triton kernels for "cpu" is process-wide and for good: a test that

@@ -40,19 +40,15 @@ from k3compile.runtime.kernels import mla_decode as mk
 from k3compile.runtime.kernels import mla_split_kv as sk
 
 
-@pytest.fixture(autouse=True)
-def _faster_interpreter():
-    """Every test here under tests/fast_interpreter.py with the overflow checks kept."""
-    with fast_interpreter(overflow_checks=True):
-        yield
-
-
 DEVICE = "cuda" if torch.cuda.is_available() and not mc._INTERPRETED else "cpu"
 
 
 # The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
 # context's o, log2(0) for its lse): numpy warns, the kernels select the right value.
-pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning")
+pytestmark = [
+    pytest.mark.usefixtures("faster_interpreter"),
+    pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
+]
 
 
 def paged(lens: list[int], W: int, block_size: int, dtype: torch.dtype, gen: torch.Generator):

@@ -39,7 +39,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
 import pytest  # noqa: E402
-from fast_interpreter import fast_interpreter  # noqa: E402
 from tolerances import ROUTE_WEIGHTS, assert_close_scaled, assert_within  # noqa: E402
 from tolerances import UNIT_ROUNDOFF as U  # noqa: E402
 
@@ -50,12 +49,7 @@ from k3compile.runtime.kernels import aot, moe, routing  # noqa: E402
 from k3compile.validation import one_thread  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _faster_interpreter():
-    """Every test here under tests/fast_interpreter.py with the overflow checks kept."""
-    with fast_interpreter(overflow_checks=True):
-        yield
-
+pytestmark = pytest.mark.usefixtures("faster_interpreter")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETA, LINEAR_BETA = 4.0, 25.0

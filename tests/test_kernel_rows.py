@@ -22,12 +22,7 @@ from k3compile.runtime.kernels import aot, rows
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 
 
-@pytest.fixture(autouse=True)
-def _faster_interpreter():
-    """Every test here under tests/fast_interpreter.py with the overflow checks kept."""
-    with fast_interpreter(overflow_checks=True):
-        yield
-
+pytestmark = pytest.mark.usefixtures("faster_interpreter")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
