@@ -1,9 +1,10 @@
-"""What sending programs to the validation ranks costs (decision 44).
+"""What sending programs to the validation ranks, and capturing again, cost (decision 44).
 
 The notebook's compile (tiny with MXFP4 experts, TP2 / DCP2, target h200, every pass
 validated on two gloo ranks), timed by step, then for each phase of the compiled
 programs: torch.export save / load (the artifact format, which validation used to send)
-against RankProgram pack / unpack (what it sends now).
+against RankProgram pack / unpack (what it sends now); last, the same model captured
+through a CaptureCache twice (an export, then a copy).
 
     python benchmarks/validation_transport.py
 """
@@ -18,11 +19,13 @@ from pathlib import Path
 import torch
 
 from k3compile.artifact_writer import save_program
+from k3compile.capture import CaptureCache
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import PRESETS
 from k3compile.distributed import RankPools
 from k3compile.rank_program import RankProgram
+from k3compile.sharding import ParallelPlan
 
 
 def _seconds(fn) -> tuple[float, object]:
@@ -53,6 +56,11 @@ def main() -> None:
         unpack_s, _ = _seconds(lambda: RankProgram.unpack(packed))
         print(f"{phase:8} {save_s:10.2f}s {load_s:10.2f}s {pack_s:7.3f}s {unpack_s:7.3f}s  "
               f"{len(buf.getvalue()):,} / {len(packed):,}")
+
+    cache, plan = CaptureCache(), ParallelPlan(2, 0, dcp=2)
+    for what in ("export", "copy"):
+        seconds, _ = _seconds(lambda: cache.get(result.captured.config, plan, torch.float32, options.block_size))
+        print(f"capture through the cache ({what}): {seconds:.2f} s")
 
 
 if __name__ == "__main__":
