@@ -106,6 +106,30 @@ def faster_interpreter():
         yield
 
 
+@pytest.fixture(scope="session")
+def _aot_batch(request: pytest.FixtureRequest) -> dict[str, dict]:
+    """Every AOT compile the session's selected tests need, in one ``aot.compile_many``
+    (under the interpreter: one batch of subprocesses, one per core, paying their start-up
+    once). Each test module that uses ``aot_reports`` lists its requests, keyed as it
+    likes, in a module-level ``aot_requests()``."""
+    from k3compile.runtime.kernels import aot
+
+    modules = sorted({item.module for item in request.session.items if "aot_reports" in item.fixturenames},
+                     key=lambda m: m.__name__)
+    jobs = {(m.__name__, key): r for m in modules for key, r in m.aot_requests().items()}
+    batch: dict[str, dict] = {m.__name__: {} for m in modules}
+    for (module, key), result in zip(jobs, aot.compile_many(list(jobs.values())), strict=True):
+        batch[module][key] = result
+    return batch
+
+
+@pytest.fixture
+def aot_reports(request: pytest.FixtureRequest, _aot_batch: dict[str, dict]) -> dict:
+    """This module's ``aot_requests()`` compiled (from the session's one batch), same keys:
+    resources for a CompileRequest, the compiled text for an AsmRequest."""
+    return _aot_batch[request.module.__name__]
+
+
 @pytest.fixture(autouse=True)
 def _cpu_kernels_stay_the_references():
     """Registering the Triton kernels for "cpu" is process-wide and for good: a test that

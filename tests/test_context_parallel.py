@@ -332,24 +332,29 @@ def test_dcp_pack_and_merge_triton_kernels_match_the_references():
                             truncates=KERNEL_DEVICE == "cpu", what="merged rows")
 
 
-def test_dcp_merge_kernels_compile_for_every_gpu_target():
-    """k3::dcp_rescale, dcp_pack and dcp_merge at K3 DCP8 shapes (bf16 o, 512 values):
-    within LDS, no spills, at least one program per CU."""
+def aot_requests() -> dict[tuple[str, str], object]:
+    """k3::dcp_rescale, dcp_pack and dcp_merge at K3 DCP8 shapes (bf16 o, 512 values) for
+    every GPU target; compiled in the session's one batch (conftest's aot_reports)."""
     from k3compile.runtime.kernels import aot
     from k3compile.runtime.kernels.dcp_merge import _dcp_merge_kernel, _dcp_pack_kernel, _dcp_rescale_kernel
 
-    signature = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "lse_all_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32",
-                 "H": "i32", "D": "i32", "DCP": "constexpr", "BLOCK_D": "constexpr"}
-    targets = ("gfx950", "gfx942", "sm_90")
+    rescale = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "lse_all_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32",
+               "H": "i32", "D": "i32", "DCP": "constexpr", "BLOCK_D": "constexpr"}
     pack = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "H": "i32", "D": "i32",
             "DCP": "constexpr", "BLOCK_D": "constexpr"}
     merge = {"rows_ptr": "*fp32", "out_ptr": "*bf16", "B": "i32", "h": "i32", "D": "i32", "DCP": "constexpr",
              "BLOCK_D": "constexpr"}
     constexprs = {"DCP": 8, "BLOCK_D": 512}
-    reports = aot.compile_many([aot.CompileRequest(kernel, sig, constexprs, t) for t in targets
-                                for kernel, sig in ((_dcp_rescale_kernel, signature), (_dcp_pack_kernel, pack),
-                                                    (_dcp_merge_kernel, merge))])
-    for report in reports:
+    kernels = {"rescale": (_dcp_rescale_kernel, rescale), "pack": (_dcp_pack_kernel, pack),
+               "merge": (_dcp_merge_kernel, merge)}
+    return {(name, t): aot.CompileRequest(kernel, sig, constexprs, t)
+            for t in ("gfx950", "gfx942", "sm_90") for name, (kernel, sig) in kernels.items()}
+
+
+def test_dcp_merge_kernels_compile_for_every_gpu_target(aot_reports):
+    """Every kernel of aot_requests: within LDS, no spills, at least one program per CU."""
+    assert len(aot_reports) == 9
+    for report in aot_reports.values():
         assert report.fits and report.occupancy >= 1, report
         assert report.spills in (0, None), report
 

@@ -43,45 +43,43 @@ SMALL = {"M": 64, "N": 64, "K": 64}  # 8 KiB per operand
 BIG = {"M": 64, "N": 128, "K": 512}  # B is 128 KiB: more than an MI300X CU's LDS, less than an MI355X's
 
 
-@pytest.fixture(scope="module")
-def reports() -> dict[tuple[str, str], aot.KernelResources]:
-    """Every compilation of this file in one batch (one subprocess under the interpreter)."""
-    jobs = {
+def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
+    """Every compilation of this file (the session compiles them in one batch: conftest's aot_reports)."""
+    return {
         ("add", t): aot.CompileRequest(_add_kernel, *ADD, t) for t in ("gfx950", "gfx942", "sm_90")
     } | {
         ("small", t): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, SMALL, t) for t in ("gfx950", "gfx942", "sm_90")
     } | {
         ("big", t): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, BIG, t) for t in ("gfx950", "gfx942")
     }
-    return dict(zip(jobs, aot.compile_many(list(jobs.values())), strict=True))
 
 
-def test_elementwise_kernel_needs_no_lds_and_reaches_full_occupancy(reports):
+def test_elementwise_kernel_needs_no_lds_and_reaches_full_occupancy(aot_reports):
     for target in ("gfx950", "gfx942"):
-        res = reports["add", target]
+        res = aot_reports["add", target]
         assert res.kernel == "_add_kernel" and res.target == target and res.num_warps == 4
         assert res.shared_bytes == 0 and res.spills == 0 and 0 < res.registers <= 32
         assert res.occupancy == 8 and res.fits  # 8 waves per SIMD: the CDNA maximum
 
 
-def test_matmul_tile_reports_lds_and_fits(reports):
+def test_matmul_tile_reports_lds_and_fits(aot_reports):
     for target in ("gfx950", "gfx942"):
-        res = reports["small", target]
+        res = aot_reports["small", target]
         assert 0 < res.shared_bytes <= 2 * 64 * 64 * 2  # at most both bf16 operands
         assert res.shared_limit_bytes == aot.TARGETS[target].shared_per_program_bytes
         assert res.registers > 0 and res.spills == 0 and res.fits
-    assert reports["small", "gfx950"].shared_limit_bytes == 160 * 1024
-    assert reports["small", "gfx942"].shared_limit_bytes == 64 * 1024
+    assert aot_reports["small", "gfx950"].shared_limit_bytes == 160 * 1024
+    assert aot_reports["small", "gfx942"].shared_limit_bytes == 64 * 1024
 
 
-def test_lds_beyond_mi300x_fits_only_mi355x(reports):
-    big950, big942 = reports["big", "gfx950"], reports["big", "gfx942"]
+def test_lds_beyond_mi300x_fits_only_mi355x(aot_reports):
+    big950, big942 = aot_reports["big", "gfx950"], aot_reports["big", "gfx942"]
     assert 64 * 1024 < big942.shared_bytes <= 160 * 1024
     assert big950.fits and not big942.fits
 
 
-def test_nvidia_registers_from_the_cubin(reports):
-    res = reports["small", "sm_90"]
+def test_nvidia_registers_from_the_cubin(aot_reports):
+    res = aot_reports["small", "sm_90"]
     assert res.shared_limit_bytes == 227 * 1024 and 0 < res.shared_bytes
     assert res.registers is not None and 0 < res.registers <= 255 and res.spills == 0
     assert res.occupancy % 4 == 0 and res.occupancy > 0 and res.fits  # whole CTAs of 4 warps

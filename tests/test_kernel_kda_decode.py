@@ -19,7 +19,6 @@ K3's per-rank shapes (12 heads, D = DV = 128) run with each plan the launcher pi
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -541,10 +540,20 @@ def _plan_id(plan: tuple) -> str:
     return f"BV{block_v}-NT{tiles}-NS{stages}-W{warps or 'auto'}" + ("-evict" if evict else "")
 
 
-@functools.cache
-def _aot_resources() -> dict[tuple[str, tuple], aot.KernelResources]:
-    """All AOT compilations of this file in one batch (one subprocess when interpreting)."""
-    keys, requests = [], []
+def _pdl_ptx_request(pdl: bool) -> aot.AsmRequest:
+    """The PTX of the K3 per-rank specialisation, a head's whole row per program, with or without PDL."""
+    signature, constexprs, num_warps = kp.aot_signature(
+        torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=K3_HEAD_DIM,
+        num_warps=4, pdl=pdl)
+    return aot.AsmRequest(aot.CompileRequest(kk.kda_decode_kernel, signature, constexprs, "sm_90", num_warps), "ptx")
+
+
+def aot_requests() -> dict[object, aot.CompileRequest | aot.AsmRequest]:
+    """Every AOT compilation of this file (the session compiles them in one batch: conftest's
+    aot_reports); none in a process that cannot compile (its tests run in a child pytest)."""
+    if not CAN_COMPILE:
+        return {}
+    requests: dict[object, aot.CompileRequest | aot.AsmRequest] = {}
     for target in AOT_TARGETS:
         for plan in AOT_PLANS:
             block_v, tiles, stages, warps, evict = plan
@@ -552,24 +561,25 @@ def _aot_resources() -> dict[tuple[str, tuple], aot.KernelResources]:
                 torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=block_v,
                 tiles_per_program=tiles, num_stages=stages, num_warps=warps, evict_state=evict,
             )
-            keys.append((target, plan))
-            requests.append(aot.CompileRequest(kk.kda_decode_kernel, signature, constexprs, target, num_warps))
-    return dict(zip(keys, aot.compile_many(requests), strict=True))
+            requests[target, plan] = aot.CompileRequest(kk.kda_decode_kernel, signature, constexprs, target, num_warps)
+    requests["ptx", "pdl"] = _pdl_ptx_request(pdl=True)
+    requests["ptx", "plain"] = _pdl_ptx_request(pdl=False)
+    return requests
 
 
 @pytest.mark.parametrize("target", AOT_TARGETS)
 @pytest.mark.parametrize("plan", AOT_PLANS, ids=_plan_id)
-def test_aot_compiles_and_fits(request: pytest.FixtureRequest, target: str, plan: tuple) -> None:
+def test_aot_compiles_and_fits(request: pytest.FixtureRequest, aot_reports: dict, target: str, plan: tuple) -> None:
     """K3 per-rank shapes with bf16 activations: fits, state tiles in registers, no spills."""
     if not runs_here(request, "compile"):
         return
-    res = _aot_resources()[(target, plan)]
+    res = aot_reports[target, plan]
     assert res.fits, res
     assert res.shared_bytes <= 16 * 1024, res  # reductions only: the state tiles live in registers
     assert res.spills in (0, None), res
 
 
-def test_pdl_reads_only_the_state_before_waiting(request: pytest.FixtureRequest) -> None:
+def test_pdl_reads_only_the_state_before_waiting(request: pytest.FixtureRequest, aot_reports: dict) -> None:
     """Under programmatic dependent launch (sm_90 PTX, a head's whole row per program at K3
     shapes) a program may run while the previous kernel still writes this token's
     projections: before ``griddepcontrol.wait`` it writes nothing and reads only what that
@@ -578,18 +588,12 @@ def test_pdl_reads_only_the_state_before_waiting(request: pytest.FixtureRequest)
     weights) is left after it, only the projections' element loads."""
     if not runs_here(request, "compile"):
         return
-    signature, constexprs, num_warps = kp.aot_signature(
-        torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM, block_v=K3_HEAD_DIM,
-        num_warps=4, pdl=True)
-    ptx = aot.compiled_asm(aot.CompileRequest(kk.kda_decode_kernel, signature, constexprs, "sm_90", num_warps), "ptx")
+    ptx = aot_reports["ptx", "pdl"]
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     before, after = ptx.split("griddepcontrol.wait")
     assert "st.global" not in before and "atom." not in before
-    state_loads_per_thread = K3_HEAD_DIM * K3_HEAD_DIM * 4 // 16 // (num_warps * 32)  # 16-byte loads
+    state_loads_per_thread = K3_HEAD_DIM * K3_HEAD_DIM * 4 // 16 // (4 * 32)  # 16-byte loads, 4 warps
     assert before.count("ld.global.v4.b32") >= state_loads_per_thread
     assert "ld.global.v4" not in after
     assert after.count("ld.global") >= 6  # q, k, v, a, beta and gate, one element each per thread
-    without = kp.aot_signature(torch.bfloat16, heads=K3_HEADS, head_dim=K3_HEAD_DIM, head_dim_v=K3_HEAD_DIM,
-                               block_v=K3_HEAD_DIM, num_warps=4)
-    plain = aot.compiled_asm(aot.CompileRequest(kk.kda_decode_kernel, *without[:2], "sm_90", without[2]), "ptx")
-    assert "griddepcontrol" not in plain
+    assert "griddepcontrol" not in aot_reports["ptx", "plain"]

@@ -422,17 +422,27 @@ def test_num_splits_fill_the_gpu():
         assert 1 <= splits <= min(sk.MAX_SPLITS, -(-ctx // h16.block_n))
 
 
-def test_every_kernel_compiles_and_fits_amd_targets():
-    """Real K3 widths (576/512) as the launchers specialise them on ROCm, for MI355X and
-    MI300X, and on CUDA for H200: within LDS / shared memory, no registers spilled to
+def _k3_builds() -> list[tuple[aot.KernelLaunch, str]]:
+    """Every launch at real K3 widths (576/512) as the launchers specialise them on ROCm (for
+    MI355X and MI300X) and on CUDA (for H200), with its target."""
+    return [(launch, target) for backend, targets in (("hip", ("gfx950", "gfx942")), ("cuda", ("sm_90",)))
+            for launch in mk.aot_launches(backend, qk_dim=576, value_dim=512, dtype=torch.bfloat16)
+            for target in targets]
+
+
+def aot_requests() -> dict[int, aot.CompileRequest]:
+    """_k3_builds by index; compiled in the session's one batch (conftest's aot_reports)."""
+    return {i: launch.request(target) for i, (launch, target) in enumerate(_k3_builds())}
+
+
+def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
+    """Every launch of _k3_builds: within LDS / shared memory, no registers spilled to
     scratch, at least one wave; the split-KV kernel at every head tile, as many resident
     programs per CU/SM as split_kv_config declares (choose_num_splits counts on them)."""
-    builds = [(launch, target) for backend, targets in (("hip", ("gfx950", "gfx942")), ("cuda", ("sm_90",)))
-              for launch in mk.aot_launches(backend, qk_dim=576, value_dim=512, dtype=torch.bfloat16)
-              for target in targets]
-    requests = [launch.request(target) for launch, target in builds]
-    results = aot.compile_many(requests)  # one subprocess under the interpreter
-    for (launch, target), res in zip(builds, results, strict=True):
+    builds = _k3_builds()
+    assert sorted(aot_reports) == list(range(len(builds)))
+    for i, (launch, target) in enumerate(builds):
+        res = aot_reports[i]
         print(f"{launch.name} (stages {launch.num_stages}): {res}")
         assert res.fits and res.shared_bytes <= aot.TARGETS[target].shared_per_program_bytes, (launch.name, res)
         if res.registers is None:  # sm_90 without cuobjdump: nothing more to check

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -157,6 +158,15 @@ class CompileRequest:
     divisible_by_16: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class AsmRequest:
+    """The compiled text of one request: ``kind`` "ptx" (NVIDIA), "amdgcn" (AMD), "ttgir", ...
+    For tests that check what the compiler made of a kernel (the order of its memory operations)."""
+
+    request: CompileRequest
+    kind: str
+
+
 #: Triton's names of the activation dtypes the launchers take
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -203,19 +213,22 @@ def compile_for_target(
     return compile_many([CompileRequest(fn, signature, constexprs, target, num_warps, num_stages, divisible_by_16)])[0]
 
 
-def compile_many(requests: list[CompileRequest]) -> list[KernelResources]:
-    """Compile several specialisations; the resources in the same order.
+def compile_many(requests: Sequence[CompileRequest | AsmRequest]) -> list[KernelResources | str]:
+    """Compile several specialisations: for each, in order, its resources (a CompileRequest)
+    or its compiled text (an AsmRequest).
 
     Under TRITON_INTERPRET, ``triton.language``'s own jit functions (``tl.cdiv``,
     ``tl.sum``'s combine, ...) are interpreter wrappers and the interpreter leaves
     ``triton.language`` patched after helper calls, so nothing compiles in that process:
-    the requests then go, in one batch, to a fresh Python process without the variable
-    (constexpr values must be JSON values; kernels must live in importable modules)."""
+    the requests then go, in one batch, to fresh Python processes without the variable,
+    one per core (constexpr values must be JSON values; kernels must live in importable
+    modules)."""
     for r in requests:
-        _target_spec(r.target)
+        _target_spec(_compile_request(r).target)
     if _language_interpreted():
-        return [KernelResources(**d) for d in _compile_in_subprocess(requests)]
-    return [_compile(r) for r in requests]
+        return [d if isinstance(r, AsmRequest) else KernelResources(**d)
+                for r, d in zip(requests, _compile_in_subprocess(requests), strict=True)]
+    return [_compile_one(r) for r in requests]
 
 
 def _target_spec(target: str) -> TargetSpec:
@@ -231,15 +244,21 @@ def _language_interpreted() -> bool:
 
 
 def compiled_asm(r: CompileRequest, kind: str) -> str:
-    """The compiled text of one request: ``kind`` "ptx" (NVIDIA), "amdgcn" (AMD), "ttgir",
-    ... For tests that check what the compiler made of a kernel (the order of its memory
-    operations). Under TRITON_INTERPRET in a subprocess, as compile_many."""
-    if _language_interpreted():
-        return _compile_in_subprocess([r], asm=kind)[0]
-    compiled = _triton_compile(r)
-    if kind not in compiled.asm:
-        raise ValueError(f"no {kind!r} for {r.target}: have {sorted(compiled.asm)}")
-    return compiled.asm[kind]
+    """The compiled text of one request (see AsmRequest); batch several with compile_many."""
+    return compile_many([AsmRequest(r, kind)])[0]
+
+
+def _compile_request(r: CompileRequest | AsmRequest) -> CompileRequest:
+    return r.request if isinstance(r, AsmRequest) else r
+
+
+def _compile_one(r: CompileRequest | AsmRequest) -> KernelResources | str:
+    if isinstance(r, CompileRequest):
+        return _compile(r)
+    compiled = _triton_compile(r.request)
+    if r.kind not in compiled.asm:
+        raise ValueError(f"no {r.kind!r} for {r.request.target}: have {sorted(compiled.asm)}")
+    return compiled.asm[r.kind]
 
 
 def _triton_compile(r: CompileRequest):
@@ -312,18 +331,20 @@ def _cubin_registers(cubin: bytes, name: str) -> tuple[int | None, int | None]:
     return int(match.group(1)), (int(match.group(2)) + int(match.group(3))) // 4
 
 
-def _compile_in_subprocess(requests: list[CompileRequest], asm: str | None = None) -> list:
-    """Compile in fresh processes without TRITON_INTERPRET: each request's resources (as
-    dicts), or its ``asm`` text of that kind."""
+def _compile_in_subprocess(requests: Sequence[CompileRequest | AsmRequest]) -> list:
+    """Compile in fresh processes without TRITON_INTERPRET: each request's resources (as a
+    dict) or compiled text."""
     jobs = []
-    for r in requests:
+    for item in requests:
+        r = _compile_request(item)
         inner = getattr(r.fn, "fn", None)  # the Python function under a JIT or interpreter wrapper
         if inner is None or inner.__module__ == "__main__":
             raise ValueError(f"{r.fn!r}: AOT compilation under TRITON_INTERPRET needs a @triton.jit function "
                              "defined at the top level of an importable module")
         jobs.append({"module": inner.__module__, "name": inner.__name__, "signature": r.signature,
                      "constexprs": r.constexprs, "target": r.target, "num_warps": r.num_warps,
-                     "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16), "asm": asm})
+                     "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16),
+                     "asm": item.kind if isinstance(item, AsmRequest) else None})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included
 
@@ -356,5 +377,5 @@ def _subprocess_main() -> None:
         job["divisible_by_16"] = tuple(job["divisible_by_16"])
         kind = job.pop("asm")
         request = CompileRequest(fn, **job)
-        results.append(compiled_asm(request, kind) if kind else asdict(_compile(request)))
+        results.append(_compile_one(AsmRequest(request, kind)) if kind else asdict(_compile(request)))
     print(json.dumps(results))
