@@ -20,12 +20,13 @@ Layout of ``OUT/``::
 
 ``manifest.json`` (format ``"k3compile-artifact"``, :data:`FORMAT_VERSION`)::
 
-    {"format": "k3compile-artifact", "format_version": 1,
+    {"format": "k3compile-artifact", "format_version": 2,
      "k3compile_version": "0.1.0", "torch_version": "2.13.0+cpu",
      "config": K3Config.to_dict(),
      "model_dir": "/abs/path/of/the/checkpoint",        # where the runtime reads weights
      "checkpoint_index_sha256": "<sha256 of model.safetensors.index.json>",
      "dtype": "bfloat16", "block_size": 16,
+     "kv_cache_dtype": "float8_e4m3fn",                  # the MLA caches': the model dtype or FP8
      "parallel": {"tp": 8, "dcp": 2, "dcp_interleave": 1},  # dcp divides tp
      "target": "mi355x", "phases": ["decode", "prefill"],
      "passes": [ {...}, ... ],                           # per-pass summaries, as given
@@ -79,10 +80,11 @@ from torch.export import ExportedProgram
 
 from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import K3Config
+from k3compile.mla_cache_fp8 import FP8_CACHE_DTYPES
 from k3compile.sharding import ParallelPlan, ShardingError, ShardOffset, ShardSpec
 
 FORMAT_NAME = "k3compile-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: kv_cache_dtype (FP8 MLA caches)
 SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
 #: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
@@ -97,6 +99,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+#: MLA cache dtypes an artifact may name: a model dtype or an FP8 format
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {**DTYPES, **FP8_CACHE_DTYPES}
 _CHECKPOINT_DTYPES = ("bf16", "f32", "u8")
 _PICKLE_PROTO = b"\x80"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -132,6 +136,7 @@ class ArtifactInfo:
     checkpoint_index_sha256: str
     dtype: torch.dtype
     block_size: int
+    kv_cache_dtype: torch.dtype  # of the MLA caches (k3compile/mla_cache_fp8.py for FP8)
     tp: int
     dcp: int
     dcp_interleave: int
@@ -384,6 +389,11 @@ def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
     dtype_name = _field(raw, "dtype", str)
     if dtype_name not in DTYPES:
         raise ArtifactError(f"{MANIFEST}: field 'dtype' is {dtype_name!r}, expected one of {', '.join(DTYPES)}")
+    kv_name = _field(raw, "kv_cache_dtype", str)
+    if kv_name not in KV_CACHE_DTYPES:
+        raise ArtifactError(
+            f"{MANIFEST}: field 'kv_cache_dtype' is {kv_name!r}, expected one of {', '.join(KV_CACHE_DTYPES)}"
+        )
     parallel = _field(raw, "parallel", dict)
     tp, dcp, interleave = parallel.get("tp"), parallel.get("dcp"), parallel.get("dcp_interleave", 1)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -430,6 +440,7 @@ def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
         checkpoint_index_sha256=_field(raw, "checkpoint_index_sha256", str),
         dtype=DTYPES[dtype_name],
         block_size=block_size,
+        kv_cache_dtype=KV_CACHE_DTYPES[kv_name],
         tp=tp,
         dcp=dcp,
         dcp_interleave=interleave,

@@ -237,6 +237,7 @@ def save_artifact(
             "checkpoint_index_sha256": index_sha,
             "dtype": dtype,
             "block_size": captured.block_size,
+            "kv_cache_dtype": str(captured.mla_cache_dtype).removeprefix("torch."),
             "parallel": {"tp": tp, "dcp": captured.plan.dcp, "dcp_interleave": captured.plan.dcp_interleave},
             "target": target,
             "phases": list(captured.programs),

@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 from k3compile.config import K3Config
+from k3compile.mla_cache_fp8 import FP8_CACHE_DTYPES, fp8_row_width, is_fp8_dtype
 from k3compile.sharding import ParallelPlan
+from k3compile.targets import Target
 
 
 @dataclass
@@ -43,7 +45,9 @@ class KDALayerCache:
 
 @dataclass
 class MLALayerCache:
-    kv: Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+    #: [num_blocks, block_size, W] in the model dtype, W = kv_lora_rank + qk_rope_head_dim;
+    #: or FP8 [num_blocks, block_size, W + 16], values and scales (k3compile/mla_cache_fp8.py)
+    kv: Tensor
 
 
 LayerCache = KDALayerCache | MLALayerCache
@@ -63,14 +67,51 @@ class CacheShape:
                 raise ValueError(f"CacheShape.{name} must be >= 1, got {getattr(self, name)}")
 
 
+#: ``--kv-cache-dtype``: "auto" the model dtype, "bf16", "fp8" the target's FP8 format
+KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp8")
+
+
+def resolve_kv_cache_dtype(choice: str, dtype: torch.dtype, target: Target) -> torch.dtype:
+    """The MLA cache dtype of ``--kv-cache-dtype choice`` for a model in ``dtype`` on ``target``."""
+    if choice == "auto":
+        return dtype
+    if choice == "bf16":
+        if dtype != torch.bfloat16:
+            raise ValueError(f"--kv-cache-dtype bf16 needs the bfloat16 model dtype, not {dtype}; use auto or fp8")
+        return torch.bfloat16
+    if choice == "fp8":
+        return FP8_CACHE_DTYPES[target.fp8_cache_dtype]
+    raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {choice!r}")
+
+
+def check_kv_cache_dtype(choice: str | None, compiled: torch.dtype, dtype: torch.dtype, target: Target) -> None:
+    """A runtime's ``--kv-cache-dtype choice`` (None: whatever was compiled) against the
+    MLA cache dtype an artifact was compiled for (model ``dtype``, ``target``): the
+    programs' cache inputs have that dtype, so another is a ValueError saying what to do."""
+    if choice is None:
+        return
+    wanted = resolve_kv_cache_dtype(choice, dtype, target)
+    if wanted != compiled:
+        have, want = str(compiled).removeprefix("torch."), str(wanted).removeprefix("torch.")
+        raise ValueError(
+            f"--kv-cache-dtype {choice} asks for a {want} MLA cache, but the artifact was compiled for a {have} "
+            f"cache: recompile with 'k3compile optimize ... --kv-cache-dtype {choice}', or leave the option out"
+        )
+
+
 def allocate_caches(
     cfg: K3Config,
     plan: ParallelPlan,
     shape: CacheShape,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> list[LayerCache]:
-    """Zeroed caches for every layer on this rank (KDA heads are split across TP ranks)."""
+    """Zeroed caches for every layer on this rank (KDA heads are split across TP ranks):
+    KDA conv states in ``dtype``, fp32 recurrent states, MLA latent caches in
+    ``kv_cache_dtype`` (default ``dtype``; an FP8 format gives the FP8 layout)."""
+    kv_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+    kv_width = fp8_row_width(cfg.mla_cache_width) if is_fp8_dtype(kv_dtype) else cfg.mla_cache_width
     lin = cfg.linear_attn
     heads = lin.num_heads // plan.tp
     channels = heads * lin.head_dim
@@ -83,7 +124,7 @@ def allocate_caches(
             state = torch.zeros(shape.num_slots, heads, lin.head_dim, lin.head_dim, dtype=torch.float32, device=device)
             caches.append(KDALayerCache(conv(), conv(), conv(), state))
         else:
-            kv = torch.zeros(shape.num_blocks, shape.block_size, cfg.mla_cache_width, dtype=dtype, device=device)
+            kv = torch.zeros(shape.num_blocks, shape.block_size, kv_width, dtype=kv_dtype, device=device)
             caches.append(MLALayerCache(kv))
     return caches
 

@@ -76,13 +76,14 @@ def example_inputs(
     dtype: torch.dtype,
     block_size: int = 16,
     device: str | torch.device = "meta",
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[tuple, tuple]:
     """(args, dynamic_shapes) for exporting ``phase``. Example sizes are distinct and >= 2
-    so that no dynamic dimension specialises or aliases another. The MLA block size is
-    static: kernels tile by it, so it is fixed per artifact."""
+    so that no dynamic dimension specialises or aliases another. The MLA block size and
+    cache dtype are static: kernels tile by them, so they are fixed per artifact."""
     tokens, seqs, blocks_per_seq, n_out = (5, 5, 7, 5) if phase == "decode" else (19, 5, 7, 6)
     shape = CacheShape(num_slots=11, num_blocks=13, block_size=block_size)
-    caches = flatten_caches(allocate_caches(cfg, plan, shape, dtype, device))
+    caches = flatten_caches(allocate_caches(cfg, plan, shape, dtype, device, kv_cache_dtype))
     i64, i32 = torch.int64, torch.int32
     args = (
         torch.zeros(tokens, dtype=i64, device=device),
@@ -147,6 +148,12 @@ class CapturedModel:
     specs: dict[str, ShardSpec]  # by the programs' parameter names
     stats: CaptureStats
     constants: dict[str, ShardOffset] = field(default_factory=dict)  # per-rank buffers by name
+    kv_cache_dtype: torch.dtype | None = None  # of the MLA caches (None: ``dtype``)
+
+    @property
+    def mla_cache_dtype(self) -> torch.dtype:
+        """The MLA caches' dtype: an FP8 format (k3compile/mla_cache_fp8.py) or the model dtype."""
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
 
 
 def build_step_model(cfg: K3Config, plan: ParallelPlan, dtype: torch.dtype) -> K3ForCausalLM:
@@ -163,8 +170,10 @@ def capture(
     block_size: int = 16,
     phases: Sequence[Phase] = PHASES,
     on_phase: Callable[[str], None] | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> CapturedModel:
-    """Export one program per phase from the model built on ``meta``."""
+    """Export one program per phase from the model built on ``meta``, its MLA caches in
+    ``kv_cache_dtype`` (default ``dtype``)."""
     stats = CaptureStats()
     programs: dict[str, ExportedProgram] = {}
     with tracing_process_group(plan.tp):
@@ -174,7 +183,7 @@ def capture(
                 on_phase(phase)
             start = time.perf_counter()
             step = StepModule(model, phase)
-            args, dynamic = example_inputs(cfg, plan, phase, dtype, block_size)
+            args, dynamic = example_inputs(cfg, plan, phase, dtype, block_size, kv_cache_dtype=kv_cache_dtype)
             programs[phase] = export_stacked(step, args, dynamic, model.model.layers)
             drop_device_asserts(programs[phase])
             stats.seconds[phase] = time.perf_counter() - start
@@ -182,11 +191,11 @@ def capture(
         step = StepModule(model, "decode")
         specs, constants = shard_specs(step), rank_constants(step)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return CapturedModel(cfg, plan, dtype, block_size, programs, specs, stats, constants)
+    return CapturedModel(cfg, plan, dtype, block_size, programs, specs, stats, constants, kv_cache_dtype)
 
 
 class CaptureCache:
-    """Captured models kept for later compiles of the same config, plan, dtype and block
+    """Captured models kept for later compiles of the same config, plan, dtypes and block
     size, for callers that compile one model several ways in one process (a test session,
     a notebook comparing options): exporting takes seconds even for the tiny presets,
     copying a capture a fraction of one. Each :meth:`get` returns a copy, since passes
@@ -202,11 +211,13 @@ class CaptureCache:
         dtype: torch.dtype = torch.bfloat16,
         block_size: int = 16,
         on_phase: Callable[[str], None] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> CapturedModel:
-        """``capture(cfg, plan, dtype, block_size)`` (every phase), exported on first use."""
-        key = (cfg, plan, dtype, block_size)
+        """``capture(cfg, plan, dtype, block_size, kv_cache_dtype=...)`` (every phase),
+        exported on first use."""
+        key = (cfg, plan, dtype, block_size, dtype if kv_cache_dtype is None else kv_cache_dtype)
         if key not in self._captured:
-            self._captured[key] = capture(cfg, plan, dtype, block_size, PHASES, on_phase)
+            self._captured[key] = capture(cfg, plan, dtype, block_size, PHASES, on_phase, kv_cache_dtype)
         elif on_phase:
             on_phase("(cached)")
         return copy.deepcopy(self._captured[key])

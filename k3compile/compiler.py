@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from k3compile.artifact_writer import save_artifact
+from k3compile.batch import resolve_kv_cache_dtype
 from k3compile.capture import PHASES, CaptureCache, CapturedModel, capture
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter, load_checkpoint_config
 from k3compile.distributed import RankPools
@@ -33,6 +34,9 @@ class CompileOptions:
     dcp_interleave: int = 1
     target: str = "cpu"
     dtype: str = "bfloat16"
+    #: the MLA latent cache: "auto" (the model dtype), "bf16" or "fp8" (the target's FP8
+    #: format, values with per-token scales: k3compile/mla_cache_fp8.py)
+    kv_cache_dtype: str = "auto"
     block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
     enable: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()
@@ -45,9 +49,15 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.mla_cache_dtype  # an unknown choice, or bf16 with a float32 model, fails here
         pass_configs(self.pass_configs)  # unknown passes, options or choices fail here
         if self.block_size is None:
             object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
+
+    @property
+    def mla_cache_dtype(self) -> torch.dtype:
+        """The MLA caches' torch dtype for ``kv_cache_dtype`` on this target and model dtype."""
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, DTYPES[self.dtype], get_target(self.target))
 
 
 @dataclass
@@ -99,17 +109,18 @@ def optimize(
         rtol=options.rtol, pass_configs=pass_configs(options.pass_configs),
     )
     resolve_passes(get_target(options.target), pipeline_options, plan)  # unknown or required passes fail here
-    dtype, on_phase = DTYPES[options.dtype], lambda p: say(f"capture {p}")
+    dtype, kv_dtype, on_phase = DTYPES[options.dtype], options.mla_cache_dtype, lambda p: say(f"capture {p}")
     if captures is not None:
-        captured = captures.get(cfg, plan, dtype, options.block_size, on_phase)
+        captured = captures.get(cfg, plan, dtype, options.block_size, on_phase, kv_dtype)
     else:
-        captured = capture(cfg, plan, dtype, options.block_size, PHASES, on_phase)
+        captured = capture(cfg, plan, dtype, options.block_size, PHASES, on_phase, kv_dtype)
     say("check checkpoint")
     check_checkpoint_headers(model_dir, captured)
     for program in captured.programs.values():
         propagate_placements(program.graph_module, program, captured.specs, plan)
     validator = (
-        TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants, ranks=ranks)
+        TranslationValidator(options.rtol, block_size=options.block_size, constants=captured.constants, ranks=ranks,
+                             kv_cache_dtype=kv_dtype)
         if options.validate
         else None
     )

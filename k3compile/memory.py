@@ -91,13 +91,15 @@ def cache_bytes(
     sequences: int,
     block_size: int,
     context_split: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[int, int]:
-    """(MLA latent KV, KDA state) bytes on one rank for ``sequences`` of ``context`` tokens;
+    """(MLA latent KV, KDA state) bytes on one rank for ``sequences`` of ``context`` tokens,
+    the MLA cache in ``kv_cache_dtype`` (default ``dtype``; FP8 rows count their scales);
     with ``context_split`` the MLA cache holds only the rank's DCP share of the positions
     (the largest share: member 0's, rounded up to whole blocks)."""
     stored = ContextLayout.of(plan).max_local_length(context) if context_split else context
     blocks = sequences * math.ceil(stored / block_size)
-    caches = allocate_caches(cfg, plan, CacheShape(sequences, blocks, block_size), dtype, device="meta")
+    caches = allocate_caches(cfg, plan, CacheShape(sequences, blocks, block_size), dtype, "meta", kv_cache_dtype)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     mla = sum(nbytes(c.kv) for c in caches if isinstance(c, MLALayerCache))
     kda = sum(
@@ -122,10 +124,15 @@ class MemoryOptions:
     block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
     enable: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()
+    kv_cache_dtype: torch.dtype | None = None  # of the MLA cache; None: ``dtype``
 
     def __post_init__(self) -> None:
         if self.block_size is None:
             object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
+
+    @property
+    def mla_cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_cache_dtype is None else self.kv_cache_dtype
 
 
 @dataclass
@@ -188,7 +195,8 @@ def plan_memory(
     plan = ParallelPlan(options.tp, 0, options.dcp, options.dcp_interleave)
     passes = resolve_passes(target, pipeline, plan)
     say("capture decode")
-    captured = capture(cfg, plan, options.dtype, options.block_size, phases=("decode",))
+    captured = capture(cfg, plan, options.dtype, options.block_size, phases=("decode",),
+                       kv_cache_dtype=options.kv_cache_dtype)
     program = captured.programs["decode"]
     propagate_placements(program.graph_module, program, captured.specs, plan)
 
@@ -198,7 +206,7 @@ def plan_memory(
         split = program_layout(program.graph_module) is not None
         if split not in caches:
             caches[split] = cache_bytes(cfg, plan, options.dtype, options.context, options.sequences,
-                                        options.block_size, split)
+                                        options.block_size, split, options.kv_cache_dtype)
         return MemoryEstimate(weight_bytes_by_kind(program, captured.specs), *caches[split])
 
     result = MemoryPlan(cfg, options, [("no passes", estimate())], hbm_bytes=target.hbm_bytes, program=program,

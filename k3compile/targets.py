@@ -31,12 +31,15 @@ class Target:
     #: also the block FlashMLA-style kernels require. Elsewhere 16 (pointer gathers take
     #: any block size; smaller blocks waste less of each sequence's last block).
     mla_block_size: int = 16
+    #: the FP8 format of ``--kv-cache-dtype fp8`` (k3compile/mla_cache_fp8.py): OCP E4M3,
+    #: which gfx950 and sm_90 convert in hardware; gfx942 converts the fnuz variant
+    fp8_cache_dtype: str = "float8_e4m3fn"
 
 
 TARGETS: dict[str, Target] = {
     "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, mla_block_size=64),
     "mi355x": Target("mi355x", "hip", "gfx950", 256, 160 * 1024, 288 * 10**9),
-    "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9),
+    "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9, fp8_cache_dtype="float8_e4m3fnuz"),
     "cpu": Target("cpu", "cpu", "cpu", 1, 0, 0),
 }
 

@@ -40,6 +40,7 @@ from k3compile.checkpoint.generate import stored_random_tensor
 from k3compile.config import K3Config
 from k3compile.context_parallel import ContextLayout, localize_step, mla_cache_indices, program_layout
 from k3compile.distributed import RankPool, RankPools, init_context_parallel
+from k3compile.mla_cache_fp8 import cache_rows_as_values, is_fp8_dtype, quantize_rows
 from k3compile.rank_program import RankProgram
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
 
@@ -106,8 +107,10 @@ def random_step_inputs(
     num_seqs: int = 3,
     fresh_prefill: bool = False,
     min_tokens: int = 0,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> list:
-    """User inputs of one valid random step of ``phase`` (StepModule order). With
+    """User inputs of one valid random step of ``phase`` (StepModule order), the MLA caches
+    in ``kv_cache_dtype`` (default ``dtype``; FP8 rows hold quantised random values). With
     ``fresh_prefill`` a prefill step starts every sequence (no earlier context), as
     context-parallel prefill requires. A prefill step below ``min_tokens`` new tokens gets
     the missing ones, spread over its sequences (a decode step has one per sequence)."""
@@ -125,10 +128,14 @@ def random_step_inputs(
     blocks_needed = [-(-(p + n) // block_size) for p, n in zip(prior, new)]
     num_blocks = sum(blocks_needed) + 3
     shape = CacheShape(num_slots=num_seqs + 2, num_blocks=num_blocks, block_size=block_size)
-    caches = allocate_caches(cfg, plan, shape, dtype)
+    caches = allocate_caches(cfg, plan, shape, dtype, kv_cache_dtype=kv_cache_dtype)
     for c in caches:
         tensors = (c.conv_q, c.conv_k, c.conv_v, c.state) if isinstance(c, KDALayerCache) else (c.kv,)
         for t in tensors:
+            if is_fp8_dtype(t.dtype):
+                values = torch.randn(t.shape[0] * t.shape[1], cfg.mla_cache_width, generator=gen)
+                t.copy_(quantize_rows(values, cfg.kv_lora_rank, t.dtype).view(t.shape))
+                continue
             scale = 0.1 if t is getattr(c, "state", None) else 1.0
             t.copy_(scale * torch.randn(t.shape, generator=gen))
     pool = torch.randperm(num_blocks, generator=gen).tolist()
@@ -194,6 +201,7 @@ class _Job:
     tokens: tuple[int, ...]
     plan: ParallelPlan  # any rank's: the parallel layout
     split: bool  # the program is in the context-parallel MLA cache layout (k3compile/context_parallel.py)
+    kv_cache_dtype: torch.dtype | None  # of the MLA caches; None: the model dtype
 
 
 @dataclass
@@ -233,7 +241,7 @@ def _run_steps(job: _Job, plan: ParallelPlan, program: RankProgram) -> list[dict
     for tokens in job.tokens:
         num_seqs = tokens if job.phase == "decode" else PREFILL_SEQS
         inputs = random_step_inputs(job.config, plan, job.phase, dtype, job.block_size, job.seed, num_seqs,
-                                    fresh_prefill=plan.dcp > 1, min_tokens=tokens)
+                                    fresh_prefill=plan.dcp > 1, min_tokens=tokens, kv_cache_dtype=job.kv_cache_dtype)
         local = localize_step(job.config.layer_kinds, inputs, layout) if job.split else None
         inputs = local.inputs if local else inputs
         with torch.no_grad():
@@ -242,6 +250,8 @@ def _run_steps(job: _Job, plan: ParallelPlan, program: RankProgram) -> list[dict
         if local is not None:  # the owned positions, in the order of the global ones
             for k in mla:
                 caches[k] = caches[k].view(-1, caches[k].shape[-1])[local.local_slots]
+        for k in mla:  # compared as values: an FP8 row's scale bytes are no FP8 numbers
+            caches[k] = cache_rows_as_values(caches[k], job.config.kv_lora_rank)
         steps.append({"outputs": outputs, "caches": caches, "global_slots": local.global_slots if local else None})
     return steps
 
@@ -294,8 +304,10 @@ class TranslationValidator:
         constants: dict[str, ShardOffset] | None = None,
         tokens: tuple[int, ...] = VALIDATION_TOKENS,
         ranks: RankPools | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         self.constants = constants or {}
+        self.kv_cache_dtype = kv_cache_dtype
         self.tokens = tokens
         self.rtol = rtol
         self.seed = seed
@@ -327,7 +339,7 @@ class TranslationValidator:
         """``program`` (with parameters sliced by ``specs``) on the validation steps."""
         constants = {**self.constants, **getattr(ctx, "constants", {})}  # a pass may have added some
         job = _Job(ctx.config, phase, self.seed, self.block_size, constants, dict(specs), self.tokens, ctx.plan,
-                   program_layout(program.graph_module) is not None)
+                   program_layout(program.graph_module) is not None, self.kv_cache_dtype)
         if ctx.plan.tp == 1:
             with one_thread():
                 return ProgramRun(phase, self.tokens, [_run_steps(job, ctx.plan, RankProgram.of(program))])

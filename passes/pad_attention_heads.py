@@ -64,6 +64,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from k3compile.mla_cache_fp8 import cache_value_width
 from k3compile.kernel_tables import AttentionKernel, fast_attention_kernel
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
 from k3compile.targets import GPU_DEVICES
@@ -162,7 +163,7 @@ class PadAttentionHeads(GraphPass):
         at the absorbed widths it runs at (W = cache width, values = the latent)."""
         q, kv_cache, kv_b_weight = node.args[0], node.args[1], node.args[2]
         heads, dtype = q.meta["val"].shape[1], q.meta["val"].dtype
-        width, latent = kv_cache.meta["val"].shape[-1], kv_b_weight.meta["val"].shape[1]
+        width, latent = cache_value_width(kv_cache.meta["val"]), kv_b_weight.meta["val"].shape[1]
         kernel = fast_attention_kernel(ctx.target.name, "prefill")
         if kernel is None:
             return f"prefill attention: target {ctx.target.name} has no MLA prefill kernel"

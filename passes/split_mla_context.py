@@ -214,7 +214,8 @@ class SplitMLAContext(GraphPass):
         kv = writes[0].args[1]
         with gm.graph.inserting_before(node):
             fresh = gm.graph.call_function(
-                k3.mla_prefill_new_tokens.default, (q, kv, kv_b_weight, cu_seqlens, seq_lens, scale))
+                k3.mla_prefill_new_tokens.default,
+                (q, kv, kv_b_weight, cu_seqlens, seq_lens, scale, kv_cache.meta["val"].dtype))
         fresh.meta["nn_module_stack"] = _stack(node)
         node.replace_all_uses_with(fresh)
         gm.graph.erase_node(node)

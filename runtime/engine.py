@@ -39,13 +39,22 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from k3compile.artifact import LoadedArtifact, load_artifact
-from k3compile.batch import Batch, CacheShape, allocate_caches, flatten_caches, zero_state_slot
+from k3compile.batch import (
+    KV_CACHE_DTYPE_CHOICES,
+    Batch,
+    CacheShape,
+    allocate_caches,
+    check_kv_cache_dtype,
+    flatten_caches,
+    zero_state_slot,
+)
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
 from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan
+from k3compile.targets import get_target
 
 __all__ = ["KERNELS", "Runtime", "RuntimeOptions", "load", "RequestError"]
 
@@ -70,11 +79,17 @@ class RuntimeOptions:
     cuda_graphs: bool | None = None  # default: on for GPU devices
     check_checkpoint: bool = True
     kernels: str = "auto"  # one of KERNELS
+    #: the MLA cache dtype the caller expects (one of KV_CACHE_DTYPE_CHOICES), checked against
+    #: the artifact's (a mismatch is an error before anything loads); None: the artifact's
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"RuntimeOptions.kernels: unknown choice {self.kernels!r}; "
                              f"choose one of {', '.join(KERNELS)}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"RuntimeOptions.kv_cache_dtype: unknown choice {self.kv_cache_dtype!r}; "
+                             f"choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -164,6 +179,8 @@ class Runtime:
         options: RuntimeOptions,
         on_progress: Callable[[int, int], None] | None = None,
     ):
+        info = artifact.info
+        check_kv_cache_dtype(options.kv_cache_dtype, info.kv_cache_dtype, info.dtype, get_target(info.target))
         self.artifact = artifact
         self.cfg = artifact.config
         self.rank = rank
@@ -179,7 +196,7 @@ class Runtime:
         shape = CacheShape(
             num_slots=options.max_sequences + 1, num_blocks=options.max_sequences * blocks_per_seq + 1, block_size=bs
         )
-        self.caches = allocate_caches(self.cfg, self.plan, shape, artifact.info.dtype, device)
+        self.caches = allocate_caches(self.cfg, self.plan, shape, info.dtype, device, info.kv_cache_dtype)
         self.cache_tensors = flatten_caches(self.caches)
         self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1, layout=self.layout)
         self.weights, self.load_report = load_rank_weights(

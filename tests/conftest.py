@@ -106,6 +106,16 @@ def faster_interpreter():
         yield
 
 
+@pytest.fixture
+def interpreter_rounds_like_gpus():
+    """Triton's interpreter rounding fp32 -> bf16 / fp8 to nearest even, as GPUs do
+    (tests/interpreter_rounding.py); kernel test modules ask for it with ``pytestmark``."""
+    from interpreter_rounding import rounds_like_gpus
+
+    with rounds_like_gpus():
+        yield
+
+
 @pytest.fixture(scope="session")
 def _aot_batch(request: pytest.FixtureRequest) -> dict[str, dict]:
     """Every AOT compile the session's selected tests need, in one ``aot.compile_many``

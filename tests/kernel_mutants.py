@@ -55,6 +55,9 @@ ROWS = Selection("tests/test_kernel_rows.py", "test_rms_norm or test_splitk_kern
 ROUTING = Selection("tests/test_kernel_moe.py", "test_route or test_routing_feeds")
 EXPERTS = Selection("tests/test_kernel_moe.py", "pair_major or grouped_matches or split_k_w13 or fp32_and_fp16")
 DCP = Selection("tests/test_context_parallel.py", "triton_kernel")
+SPLIT_KV_FP8 = Selection("tests/test_kernel_mla_decode.py", "split_kv_fp8 or (k3_split_kv and fp8)")
+ATTENTION_FP8 = Selection("tests/test_kernel_mla_decode.py", "generic_and_prefill_fp8 or (k3_generic and fp8)")
+CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_decode.py", "fp8_cache_write_kernel")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,20 @@ MUTANTS = [
     Mutant("mxfp4_situ_betas_swapped", "runtime/kernels/moe.py",
            "v = tl.join(acc_a / beta, acc_b / linear_beta)", "v = tl.join(acc_a / linear_beta, acc_b / beta)",
            EXPERTS, "MXFP4 experts: SiTU's beta (4) and linear beta (25) swapped in the tanh arguments"),
+    Mutant("split_kv_fp8_value_scale_dropped", "runtime/kernels/mla_split_kv.py",
+           "p_v = p * sc_lat[:, None] if KV_FP8 else p", "p_v = p", SPLIT_KV_FP8,
+           "split-KV MLA, FP8 cache: the values' per-row scales left out of the value product"),
+    Mutant("split_kv_fp8_rope_scale_for_latent", "runtime/kernels/mla_split_kv.py",
+           "q_pe, input_precision=DOT_PRECISION) * sc_pe[:, None]",
+           "q_pe, input_precision=DOT_PRECISION) * sc_lat[:, None]", SPLIT_KV_FP8,
+           "split-KV MLA, FP8 cache: the k_pe scores scaled by the latent's scale"),
+    Mutant("attention_fp8_value_scale_dropped", "runtime/kernels/mla_attention.py",
+           "p = p * sc_lat[None, :]  # the values' scales", "p = p", ATTENTION_FP8,
+           "generic / prefill MLA, FP8 cache: the values' per-row scales left out"),
+    Mutant("cache_write_fp8_one_scale", "runtime/kernels/mla_cache_write.py",
+           "codes = tl.math.div_rn(x, tl.where(latent, scale_lat, scale_pe))",
+           "codes = tl.math.div_rn(x, scale_lat)", CACHE_WRITE_FP8,
+           "FP8 cache write: k_pe quantised with the latent's scale"),
     Mutant("dcp_merge_weights_not_normalized", "runtime/kernels/dcp_merge.py",
            "out = acc / tl.where(total > 0, total, 1.0)", "out = acc", DCP,
            "DCP merge: the members' rows weighted by exp(lse - max) without dividing by their sum"),

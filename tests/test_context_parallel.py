@@ -267,7 +267,7 @@ def test_fresh_prefill_op_rejects_earlier_context():
     w = torch.randn(2 * (4 + 4), 8)
     with pytest.raises(ValueError, match="sequence 1 has 4 earlier tokens"):
         k3.mla_prefill_new_tokens(q, kv, w, torch.tensor([0, 2, 3], dtype=torch.int32),
-                                  torch.tensor([2, 5], dtype=torch.int32), 0.5)
+                                  torch.tensor([2, 5], dtype=torch.int32), 0.5, torch.float32)
 
 
 def test_localize_and_layout_random_roundtrip():

@@ -33,8 +33,6 @@ if not torch.cuda.is_available():
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter as triton_interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 from fast_interpreter import fast_interpreter  # noqa: E402
 from tolerances import (  # noqa: E402
@@ -98,22 +96,10 @@ def runs_here(request: pytest.FixtureRequest, mode: str) -> bool:
     return False
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_rounds_bf16_to_nearest_even():
-    """GPUs (and torch) round fp32 -> bf16 to nearest even; Triton 3.9's interpreter truncates
-    (``_convert_float`` without a rounding mode). The chain rounds to the model dtype at three
-    places, so without this the bf16 comparison could only be loose. Restored after the module."""
-    original = triton_interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return triton_interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return original(self, src, dst_type)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_interpreter.InterpreterBuilder, "cast_impl", cast_impl)
-        yield
+# GPUs (and torch) round fp32 -> bf16 to nearest even, Triton 3.9's interpreter truncates:
+# the chain rounds to the model dtype at three places, so without conftest's
+# interpreter_rounds_like_gpus the bf16 comparison could only be loose.
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_like_gpus")
 
 
 @pytest.fixture(scope="module", autouse=True)

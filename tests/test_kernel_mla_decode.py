@@ -6,11 +6,12 @@ Under the interpreter the launchers NaN-fill every output and scratch buffer, so
 element a kernel fails to write fails the comparison.
 
 Tolerances (tests/tolerances.py: MLA_O, MLA_LSE; the reference is fp32 on the same
-low-precision values upcast): scores are exact products summed in fp32, so lse agrees to
+low-precision values upcast, for an FP8 cache its dequantised values): scores are exact products summed in fp32, so lse agrees to
 fp32 rounding of the score sums (24 u(fp32) of max |lse|); o loses the rounding of the
-probabilities to the cache dtype before the value product and of o itself: 2 u of the
-row's own max |o| (a row over one token is ~1, over 300 tokens ~0.1), twice that for bf16
-under Triton 3.9's interpreter, which truncates fp32 -> bf16. The fixed 1e-2 absolute this
+probabilities to the model dtype before the value product and of o itself: 2 u of the
+row's own max |o| (a row over one token is ~1, over 300 tokens ~0.1); the interpreter
+rounds to nearest even as GPUs do (conftest's interpreter_rounds_like_gpus: Triton 3.9's
+own truncates fp32 -> bf16 and carries wrongly into fp8). The fixed 1e-2 absolute this
 replaced passed o rows that lost a split: at 4,100 tokens, 14 of 16 heads' rows without
 their last 64 tokens (MLA_O: 2 of 16; lse catches every one); at K3's contexts of 128-300
 tokens every row that loses its last split fails MLA_O
@@ -33,8 +34,10 @@ from fast_interpreter import fast_interpreter
 from tolerances import MLA_LSE, MLA_O, assert_close_scaled, reference_scale, unit_roundoff
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
+from k3compile.mla_cache_fp8 import is_fp8_cache, quantize_rows
 from k3compile.runtime.kernels import aot
 from k3compile.runtime.kernels import mla_attention as ak
+from k3compile.runtime.kernels import mla_cache_write as cw
 from k3compile.runtime.kernels import mla_common as mc
 from k3compile.runtime.kernels import mla_decode as mk
 from k3compile.runtime.kernels import mla_split_kv as sk
@@ -46,7 +49,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and not mc._INTERPRETED else "cpu"
 # The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
 # context's o, log2(0) for its lse): numpy warns, the kernels select the right value.
 pytestmark = [
-    pytest.mark.usefixtures("faster_interpreter"),
+    pytest.mark.usefixtures("faster_interpreter", "interpreter_rounds_like_gpus"),
     pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
 ]
 
@@ -72,19 +75,31 @@ def paged(lens: list[int], W: int, block_size: int, dtype: torch.dtype, gen: tor
 
 
 def reference(q, cache, table, seq_lens, scale, value_dim):
-    return torch.ops.k3.mla_decode(q.float().cpu(), cache.float().cpu(), table.cpu(), seq_lens.cpu(), scale, value_dim)
+    """The op's torch reference in fp32 on the same values (an FP8 cache: its dequantised values)."""
+    cache = cache.cpu() if is_fp8_cache(cache) else cache.float().cpu()
+    return torch.ops.k3.mla_decode(q.float().cpu(), cache, table.cpu(), seq_lens.cpu(), scale, value_dim)
+
+
+def to_fp8(cache: torch.Tensor, latent: int, fmt: torch.dtype) -> torch.Tensor:
+    """A float cache's rows (garbage ones too) quantised into the FP8 layout of ``fmt``."""
+    nb, bs, W = cache.shape
+    return quantize_rows(cache.float().cpu().view(-1, W), latent, fmt).view(nb, bs, -1).to(cache.device)
 
 
 def check(got, want, dtype: torch.dtype = torch.bfloat16) -> None:
     """o per (token, head) row and lse against the reference, with MLA_O and MLA_LSE."""
     o, lse = got
-    assert_close_scaled(o, want[0], dtype, roundings=MLA_O(dtype), dims=-1, truncates=mc._INTERPRETED, what="o")
+    assert_close_scaled(o, want[0], dtype, roundings=MLA_O(dtype), dims=-1, what="o")
     assert_close_scaled(lse, want[1], torch.float32, roundings=MLA_LSE, what="lse")
 
 
-def case(H: int, L: int, R: int, lens: list[int], block_size: int, dtype=torch.bfloat16, seed: int = 0):
+def case(H: int, L: int, R: int, lens: list[int], block_size: int, dtype=torch.bfloat16, seed: int = 0,
+         kv_dtype: torch.dtype | None = None):
+    """q and a paged cache (of ``kv_dtype``, default ``dtype``; an FP8 format: the FP8 layout)."""
     gen = torch.Generator().manual_seed(seed)
     cache, table, seq_lens = paged(lens, L + R, block_size, dtype, gen)
+    if kv_dtype is not None and kv_dtype != dtype:
+        cache = to_fp8(cache, L, kv_dtype)
     q = torch.randn(len(lens), H, L + R, generator=gen).to(dtype).to(DEVICE)
     return q, cache, table, seq_lens, (L + R) ** -0.5
 
@@ -154,15 +169,27 @@ def test_split_kv_head_tiles(guarded, H, block_h):
 
 
 def poison_past_contexts(cache: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """NaN in every cache row no context covers (what unwritten cache memory may hold)."""
+    """NaN in every cache row no context covers (what unwritten cache memory may hold; in
+    an FP8 cache every byte 0xFF: NaN codes and NaN scales)."""
     owned = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
     bs = cache.shape[1]
     for n, ctx in enumerate(seq_lens.tolist()):
         pos = torch.arange(ctx)
         owned[table[n].cpu().long()[pos // bs] * bs + pos % bs] = True
     poisoned = cache.clone()
-    poisoned.view(-1, cache.shape[-1])[~owned.to(cache.device)] = float("nan")
+    rows = poisoned.view(torch.uint8) if is_fp8_cache(cache) else poisoned
+    rows.view(-1, cache.shape[-1])[~owned.to(cache.device)] = 0xFF if is_fp8_cache(cache) else float("nan")
     return poisoned
+
+
+def without_poison(cache: torch.Tensor) -> torch.Tensor:
+    """``poison_past_contexts``' cache with 0 for its NaN rows (the reference's input)."""
+    if not is_fp8_cache(cache):
+        return cache.nan_to_num(0.0)
+    clean = cache.clone()
+    raw = clean.view(torch.uint8).view(-1, cache.shape[-1])
+    raw[(raw == 0xFF).all(-1)] = 0
+    return clean
 
 
 @pytest.mark.parametrize("H, block_n, block_size", [(16, 32, 32), (16, 32, 64), (32, 16, 64)])
@@ -174,7 +201,7 @@ def test_split_kv_tensor_descriptor_tiles(H, block_n, block_size):
     block) must not reach the outputs; the pointer gathers give the same answer."""
     q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 31, 32, 33, 100, 129], block_size, seed=H + block_size)
     cache = poison_past_contexts(cache, table, seq_lens)
-    want = reference(q, cache.nan_to_num(0.0), table, seq_lens, scale, 64)
+    want = reference(q, without_poison(cache), table, seq_lens, scale, 64)
     tma = sk.SplitKVConfig(block_h=H, block_n=block_n, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
     assert sk._kv_descriptors(cache, 64, block_n) is not None
     for splits in (1, 3, 7):
@@ -220,7 +247,7 @@ def test_o_tolerance_catches_a_dropped_split():
     """The combine's mutant on o alone (lse not compared): at K3 widths, every (sequence,
     head) row whose last non-empty KV split is dropped (the reference over the context
     without that split's tokens, renormalised as the combine would) fails MLA_O, even with
-    the interpreter's doubled bf16 u."""
+    a doubled bf16 u (what a truncating cast would need)."""
     q, cache, table, seq_lens, scale = case(16, 512, 64, [128, 256, 300], block_size=64, seed=1)
     want = reference(q, cache, table, seq_lens, scale, 512)[0]
     bound = MLA_O(torch.bfloat16) * unit_roundoff(torch.bfloat16, truncates=True) * reference_scale(want, -1)
@@ -245,11 +272,13 @@ def fast():
         yield
 
 
-def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan: tuple[int, bool, int]):
-    """K3-width cache (64-token blocks, NaN past every context) for ``lens``; split-KV on
-    ``q`` with the launch the launcher picks on ``backend``'s target (asserted: head tile,
-    descriptor tiles, splits); returns the outputs and the cache, table, seq_lens, scale."""
-    _, cache, table, seq_lens, scale = case(1, K3_LATENT, K3_ROPE, lens, K3_BLOCK, seed=seed)
+def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan: tuple[int, bool, int],
+                kv_dtype: torch.dtype | None = None):
+    """K3-width cache (64-token blocks, NaN past every context; of ``kv_dtype``) for
+    ``lens``; split-KV on ``q`` with the launch the launcher picks on ``backend``'s target
+    (asserted: head tile, descriptor tiles, splits); returns the outputs and the cache,
+    table, seq_lens, scale."""
+    _, cache, table, seq_lens, scale = case(1, K3_LATENT, K3_ROPE, lens, K3_BLOCK, seed=seed, kv_dtype=kv_dtype)
     cache = poison_past_contexts(cache, table, seq_lens)
     config = sk.split_kv_config(backend, q.shape[1], q.dtype)
     units = aot.TARGETS[K3_TARGETS[backend]].compute_units
@@ -257,20 +286,23 @@ def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan:
     descriptors = config.tma and sk._kv_descriptors(cache, K3_LATENT, config.block_n) is not None
     assert (config.block_h, config.block_n, descriptors, splits) == (plan[0], 32, plan[1], plan[2])
     got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, K3_LATENT, num_splits=splits, config=config)
-    return got, (cache.nan_to_num(0.0), table, seq_lens, scale)
+    return got, (without_poison(cache), table, seq_lens, scale)
 
 
 # (head tile, KV tiles by tensor descriptors, splits) the launcher picks on each target
 @pytest.mark.parametrize("backend, plan", [("cuda", (16, True, 10)), ("hip", (16, False, 10))])
-def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, plan):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, plan, kv_dtype):
     """K3 at TP8: 12 heads per rank, zero-padded to 16 by k3::pad_heads (what the
     pad_attention_heads pass inserts), split-KV, the padding cut off by k3::narrow_heads:
     the 12 real heads equal the reference on 12 heads. Contexts: empty, one token, a block
-    boundary and one past it, 300 tokens."""
+    boundary and one past it, 300 tokens. A bf16 and an FP8 cache (592-byte rows: the
+    descriptors and gathers of 16-byte aligned rows, the scales beside them)."""
     lens = [0, 1, 64, 65, 300]
     gen = torch.Generator().manual_seed(12)
     q12 = torch.randn(len(lens), 12, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
-    (o, lse), args = k3_split_kv(torch.ops.k3.pad_heads(q12, 16), backend, lens, seed=12, plan=plan)
+    (o, lse), args = k3_split_kv(torch.ops.k3.pad_heads(q12, 16), backend, lens, seed=12, plan=plan,
+                                 kv_dtype=kv_dtype)
     check((torch.ops.k3.narrow_heads(o, 12), torch.ops.k3.narrow_heads(lse, 12)), reference(q12, *args, K3_LATENT))
 
 
@@ -285,15 +317,18 @@ def test_k3_split_kv_96_gathered_heads(fast):
     check(got, reference(q, *args, K3_LATENT))
 
 
-def test_k3_generic_decode_and_prefill_twelve_heads(fast):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+def test_k3_generic_decode_and_prefill_twelve_heads(fast, kv_dtype):
     """The kernels that take K3's 12 heads per rank unpadded, at real widths and 64-token
     blocks: generic decode, and absorbed prefill of a chunk of 8 new tokens after 92 cached
-    ones and of a fresh 37-token prompt (16-row tiles of (token, head) rows)."""
-    q, cache, table, seq_lens, scale = case(12, K3_LATENT, K3_ROPE, [1, 65, 300], K3_BLOCK, seed=121)
+    ones and of a fresh 37-token prompt (16-row tiles of (token, head) rows). A bf16 and
+    an FP8 cache."""
+    q, cache, table, seq_lens, scale = case(12, K3_LATENT, K3_ROPE, [1, 65, 300], K3_BLOCK, seed=121,
+                                            kv_dtype=kv_dtype)
     check(ak.mla_decode_generic(q, cache, table, seq_lens, scale, K3_LATENT),
           reference(q, cache, table, seq_lens, scale, K3_LATENT))
     ctx, new = [100, 37], [8, 37]
-    _, cache, table, seq_lens, scale = case(12, K3_LATENT, K3_ROPE, ctx, K3_BLOCK, seed=122)
+    _, cache, table, seq_lens, scale = case(12, K3_LATENT, K3_ROPE, ctx, K3_BLOCK, seed=122, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(122)
     q = torch.randn(sum(new), 12, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
@@ -301,6 +336,53 @@ def test_k3_generic_decode_and_prefill_twelve_heads(fast):
     pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx, new, strict=True)])
     check(ak.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, K3_LATENT),
           reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, K3_LATENT))
+
+
+#: both FP8 cache formats; fnuz compiles only for AMD GPUs (and runs under the interpreter)
+FP8_FORMATS = [torch.float8_e4m3fn, pytest.param(torch.float8_e4m3fnuz, marks=pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.version.hip, reason="float8_e4m3fnuz is a gfx942 format"))]
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("H", [16, 48])
+def test_split_kv_fp8_cache_matches_the_reference(fmt, H):
+    """FP8 caches of both formats (k3compile/mla_cache_fp8.py) with bf16 queries: the
+    reference attends to the dequantised values; the kernel's only extra rounding is each
+    row's scale times its score (fp32), so MLA_O and MLA_LSE hold as for a bf16 cache."""
+    q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 37, 70], block_size=16, seed=H, kv_dtype=fmt)
+    assert cache.dtype == fmt and cache.shape[-1] == 72 + 16
+    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=3, num_sms=4)
+    assert (got[0][0] == 0).all() and torch.isneginf(got[1][0]).all()
+    check(got, reference(q, cache, table, seq_lens, scale, 64))
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_split_kv_fp8_cache_by_tensor_descriptors(block_size):
+    """FP8 rows by tensor descriptors: the k_pe descriptor ends at the values (the scale
+    bytes after them read as 0 in the padded tile), the scales come by pointer; NaN bytes
+    in every row past the contexts stay out. 64 + 16 values: 96-byte rows (TMA needs
+    16-byte aligned rows; the tiny presets' 40 + 16 bytes take the pointer gathers)."""
+    q, cache, table, seq_lens, scale = case(16, 64, 16, [0, 1, 31, 33, 100], block_size, seed=block_size,
+                                            kv_dtype=torch.float8_e4m3fn)
+    cache = poison_past_contexts(cache, table, seq_lens)
+    tma = sk.SplitKVConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
+    assert sk._kv_descriptors(cache, 64, 32) is not None
+    check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=3, config=tma),
+          reference(q, without_poison(cache), table, seq_lens, scale, 64))
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=str)
+def test_generic_and_prefill_fp8_cache(fmt):
+    q, cache, table, seq_lens, scale = case(3, 64, 8, [0, 1, 29], block_size=8, seed=3, kv_dtype=fmt)
+    check(ak.mla_decode_generic(q, cache, table, seq_lens, scale, 64), reference(q, cache, table, seq_lens, scale, 64))
+    new = [5, 29]
+    _, cache, table, seq_lens, scale = case(3, 64, 8, [20, 29], block_size=8, seed=4, kv_dtype=fmt)
+    q = torch.randn(sum(new), 3, 72, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEVICE)
+    cu = torch.tensor([0, 5, 34], dtype=torch.int32, device=DEVICE)
+    seq = torch.repeat_interleave(torch.arange(2), torch.tensor(new))
+    pos = torch.cat([torch.arange(15, 20), torch.arange(0, 29)])
+    check(ak.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, 64),
+          reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, 64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -424,10 +506,19 @@ def test_num_splits_fill_the_gpu():
 
 def _k3_builds() -> list[tuple[aot.KernelLaunch, str]]:
     """Every launch at real K3 widths (576/512) as the launchers specialise them on ROCm (for
-    MI355X and MI300X) and on CUDA (for H200), with its target."""
-    return [(launch, target) for backend, targets in (("hip", ("gfx950", "gfx942")), ("cuda", ("sm_90",)))
-            for launch in mk.aot_launches(backend, qk_dim=576, value_dim=512, dtype=torch.bfloat16)
-            for target in targets]
+    MI355X and MI300X) and on CUDA (for H200), with its target, for a bf16 cache and for the
+    FP8 cache each target's ``--kv-cache-dtype fp8`` gives (E4M3; fnuz on gfx942), and the
+    FP8 cache write."""
+    builds = []
+    for backend, targets in (("hip", ("gfx950", "gfx942")), ("cuda", ("sm_90",))):
+        for target in targets:
+            fp8 = torch.float8_e4m3fnuz if target == "gfx942" else torch.float8_e4m3fn
+            for kv_dtype in (torch.bfloat16, fp8):
+                builds += [(launch, target) for launch in mk.aot_launches(backend, qk_dim=576, value_dim=512,
+                                                                          dtype=torch.bfloat16, kv_dtype=kv_dtype)
+                           if not (kv_dtype == fp8 and launch.name == "mla_decode_combine_splits")]
+            builds.append((cw.aot_launch(fp8), target))
+    return builds
 
 
 def aot_requests() -> dict[int, aot.CompileRequest]:
@@ -448,6 +539,8 @@ def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
         if res.registers is None:  # sm_90 without cuobjdump: nothing more to check
             continue
         assert res.spills == 0 and res.occupancy >= 1, (launch.name, res)
+        if launch.name.startswith("mla_cache_write"):
+            continue
         if launch.name != "mla_decode_combine_splits":  # the matrix-unit tiles do stage through LDS
             assert res.shared_bytes > 0 and res.registers > 64
         if launch.name.startswith(sk.SPLIT_KV.name):
@@ -456,3 +549,27 @@ def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
             # AMD reports waves per SIMD, 4 SIMDs per CU; NVIDIA warps per SM
             per_unit = res.occupancy * (4 if aot.TARGETS[target].is_amd else 1) // launch.num_warps
             assert per_unit == config.programs_per_sm, (launch.name, target, per_unit, config)
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cache_write_kernel_matches_the_reference_bit_for_bit(fmt, dtype):
+    """The one-launch FP8 cache write (k3::mla_cache_write's kernel) writes the rows the
+    op's reference writes, byte for byte: codes, both scales, the zero padding; only its
+    slots; an all-zero latent and values far below their row's largest (subnormal codes)
+    included. K3 widths (512 latent + 64 k_pe)."""
+    gen = torch.Generator().manual_seed(8)
+    kv = torch.randn(7, 576, generator=gen)
+    kv[:, 512:] *= 40
+    kv[2, :512] = 0
+    kv[4, :8] *= 1e-4
+    kv = kv.to(dtype).to(DEVICE)
+    slots = torch.tensor([3, 17, 8, 0, 30, 12, 21], device=DEVICE)
+    want = torch.full((4, 8, 592), 0x5A, dtype=torch.uint8).view(fmt).to(DEVICE)  # bytes the write must keep
+    got = want.clone()
+    from k3compile.ops.mla import mla_cache_write_reference
+    from k3compile.runtime.kernels.mla_cache_write import mla_cache_write
+
+    mla_cache_write_reference(want, kv, slots, 512)
+    mla_cache_write(got, kv, slots, 512)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

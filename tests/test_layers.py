@@ -22,11 +22,12 @@ FOLDERS = {"k3compile": "k3compile", "passes": "k3compile.passes", "runtime": "k
 
 # Layers, bottom to top: a module's group and the groups it may import.
 GROUPS: dict[str, tuple[str, ...]] = {
-    # The package root, configs, sharding specs, targets, cache layouts, sequences,
+    # The package root, configs, sharding specs, targets, cache layouts (FP8 rows too), sequences,
     # process groups, the MXFP4 format and checkpoint reading: no torch.ops.k3 use.
     "foundation": ("k3compile", "k3compile.config", "k3compile.sharding", "k3compile.targets",
                    "k3compile.batch", "k3compile.context_parallel", "k3compile.distributed",
-                   "k3compile.sequences", "k3compile.checkpoint", "k3compile.checkpoint.mxfp4",
+                   "k3compile.sequences", "k3compile.mla_cache_fp8", "k3compile.checkpoint",
+                   "k3compile.checkpoint.mxfp4",
                    "k3compile.checkpoint.loader"),
     # Op semantics: custom ops, fakes, torch references.
     "ops": ("k3compile.ops",),

@@ -107,8 +107,25 @@ def test_plan_cli_with_a_dcp_interleave_reports_member_0s_share_of_the_history()
     assert _expected_caches(cfg, 2, 96, 2, 16, dcp=2)[0] == 3 * 2 * 48 * width  # interleave 1
     row = next(line for line in result.stdout.splitlines() if "MLA latent KV" in line)
     cells = [human_bytes(v) for v in (before, before, after, before - after)]  # no passes, dedup, split, saved
-    assert " ".join(row.split()) == " ".join(["MLA latent KV (3 layers)", *cells])
+    assert " ".join(row.split()) == " ".join(["MLA latent KV (3 layers, bfloat16)", *cells])
     assert cells == ["45.0 KiB", "45.0 KiB", "30.0 KiB", "15.0 KiB"]
+
+
+def test_plan_cli_counts_an_fp8_cache_with_its_scales():
+    """--kv-cache-dtype fp8: 40 + 16 bytes per position (the values' codes, two fp32 scales,
+    8 bytes of padding), 56 / 80 of the bf16 cache's bytes; with DCP2 half of that."""
+    base = ["plan", "--preset", "tiny", "--tp", "2", "--dcp", "2", "--context", "96", "--sequences", "2",
+            "--target", "cpu", "--block-size", "16"]
+    result = CliRunner().invoke(app, [*base, "--kv-cache-dtype", "fp8"])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "MLA latent KV" in line)
+    full, split = 3 * 2 * 96 * 56, 3 * 2 * 48 * 56  # 3 MLA layers x 2 sequences x positions x bytes
+    assert " ".join(row.split()) == " ".join(["MLA latent KV (3 layers, float8_e4m3fn + scales)",
+                                              *(human_bytes(v) for v in (full, full, split, full - split))])
+    refused = CliRunner().invoke(app, [*base, "--kv-cache-dtype", "bf16", "--dtype", "float32"])
+    assert refused.exit_code == 2 and "bf16 needs the bfloat16 model dtype" in refused.stderr
+    unknown = CliRunner().invoke(app, [*base, "--kv-cache-dtype", "int4"])
+    assert unknown.exit_code == 2 and "--kv-cache-dtype: unknown choice 'int4'" in unknown.stderr
 
 
 @pytest.mark.slow

@@ -11,7 +11,10 @@ KDA decode step, the DCP split with its all-to-all merge, the heads padded to th
 kernel's tile) runs on two gloo ranks, first with the torch references, then with the
 Triton kernels. Greedy tokens are the same, logits within ``TOLERANCE``, and every k3 op
 node with a Triton kernel launched exactly its kernels (counted per kernel by
-``k3compile.runtime.kernels.kernel_launches``): no op fell back to its reference.
+``k3compile.runtime.kernels.kernel_launches``): no op fell back to its reference. Once
+with the model dtype's MLA cache and once with an FP8 one (``--kv-cache-dtype fp8``: the
+FP8 cache write and the split-KV kernel's FP8 path; the ranks' interpreter rounds to
+nearest as GPUs do, tests/interpreter_rounding.py).
 
 The Triton mode registers the kernels for the whole process, for good: it runs only in the
 spawned ranks, never in the pytest process, whose other tests expect the references.
@@ -53,6 +56,8 @@ KERNELS_OF_OP = {
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),
 }
+#: ... and with an FP8 cache
+FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
 MOE_TAIL = {"_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel", "_rows_gemv_add_kernel"}
 DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel", "_dcp_pack_kernel",
                "_dcp_merge_kernel"}
@@ -64,11 +69,12 @@ def _k3_ops(module: GraphModule) -> dict[str, int]:
                         for n in m.graph.nodes if str(n.target).startswith("k3.")))
 
 
-def _expected_launches(ops: dict[str, int]) -> dict[str, int]:
+def _expected_launches(ops: dict[str, int], fp8: bool) -> dict[str, int]:
     """The kernel launches of one run of a program with these k3 op nodes."""
+    kernels_of_op = {**KERNELS_OF_OP, **FP8_CACHE_WRITE} if fp8 else KERNELS_OF_OP
     want: Counter[str] = Counter()
     for op, n in ops.items():
-        for kernel in KERNELS_OF_OP.get(op, ()):
+        for kernel in kernels_of_op.get(op, ()):
             want[kernel] += n
     return dict(want)
 
@@ -77,6 +83,8 @@ def _generate(rank: int, world: int, out) -> dict[str, object]:
     """On one rank: greedy generation with the references, then with the Triton kernels
     (the references first: registering is for good), each step's logits and kernel
     launches, and the k3 ops of the two programs."""
+    from interpreter_rounding import rounds_like_gpus
+
     from k3compile.runtime.kernels import kernel_launches, reset_kernel_launches
 
     torch.set_num_threads(1)
@@ -88,10 +96,11 @@ def _generate(rank: int, world: int, out) -> dict[str, object]:
         tokens, logits, launches = [], [], []
         for step in range(NEW_TOKENS):
             reset_kernel_launches()
-            if step == 0:
-                (seq,), step_logits = rt.prefill([PROMPT])
-            else:
-                step_logits = rt.decode([seq], [tokens[-1]])
+            with rounds_like_gpus():
+                if step == 0:
+                    (seq,), step_logits = rt.prefill([PROMPT])
+                else:
+                    step_logits = rt.decode([seq], [tokens[-1]])
             launches.append(kernel_launches())
             logits.append(step_logits[0])
             tokens.append(int(step_logits[0].argmax()))
@@ -100,9 +109,14 @@ def _generate(rank: int, world: int, out) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(compile_once, monkeypatch):
-    out = compile_once("tiny-h24", "mxfp4", tp=2, dcp=2, target="h200", dtype="float32").out_dir
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(compile_once, monkeypatch,
+                                                                                  kv_cache_dtype):
+    out = compile_once("tiny-h24", "mxfp4", tp=2, dcp=2, target="h200", dtype="float32",
+                       kv_cache_dtype=kv_cache_dtype).out_dir
     info = read_artifact_info(out)
+    fp8 = kv_cache_dtype == "fp8"
+    assert info.kv_cache_dtype == (torch.float8_e4m3fn if fp8 else torch.float32)
     assert (info.target, info.tp, info.dcp, info.block_size) == ("h200", 2, 2, 64)
     changed = {p["pass"] for p in info.passes if p["phase"] == "decode" and p["changed"]}
     assert {"mxfp4_experts", "dedup_replicated_linear", "fuse_kda_decode", "split_mla_context",
@@ -119,8 +133,10 @@ def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(
             assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
         assert ref["launches"] == [{}] * NEW_TOKENS  # the references launch no Triton kernel
         prefill, decode = tri["launches"]
-        assert prefill == _expected_launches(rank["ops"]["prefill"]) and set(prefill) == MOE_TAIL
-        assert decode == _expected_launches(rank["ops"]["decode"]) and set(decode) == MOE_TAIL | DECODE_ONLY
+        writes = {"_mla_cache_write_fp8_kernel"} if fp8 else set()
+        assert prefill == _expected_launches(rank["ops"]["prefill"], fp8) and set(prefill) == MOE_TAIL | writes
+        assert decode == _expected_launches(rank["ops"]["decode"], fp8)
+        assert set(decode) == MOE_TAIL | DECODE_ONLY | writes
         assert decode["kda_decode_kernel"] == 3 and decode["_mla_decode_split_kv_kernel"] == 2  # KDA, MLA layers
 
 

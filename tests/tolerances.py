@@ -52,9 +52,10 @@ class Roundings:
 # --------------------------------------------------------------------------- each kernel path
 # (observed: the largest |got - want| / (u x scale) of the tests, the interpreter, CPU)
 
-#: MLA o, per (token, head) row: the probabilities are rounded to the cache dtype before the
-#: value product and o once to q's dtype (bf16 under the interpreter: truncated, observed
-#: 2.4); fp32 inputs: exact products, fp32 sums of W <= 576 score products and of the
+#: MLA o, per (token, head) row: the probabilities are rounded to the model dtype before the
+#: value product (with an FP8 cache, times the row's value scale first) and o once to q's
+#: dtype (the interpreter rounding to nearest as GPUs do: conftest's
+#: interpreter_rounds_like_gpus); fp32 inputs: exact products, fp32 sums of W <= 576 score products and of the
 #: context's values (observed 16 at W = 72).
 MLA_O = Roundings(low=2, fp32=64)
 #: MLA lse (fp32 on every path) against max |lse|: the scores' sums of W products

@@ -14,7 +14,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3compile.cli.app import USAGE_ERROR, UserError, app, console, err_console, fail, warn
-from k3compile.cli.options import PromptFileOption, PromptOption, at_least_one, choice, read_prompts
+from k3compile.cli.options import (
+    KV_CACHE_DTYPE_HELP,
+    PromptFileOption,
+    PromptOption,
+    at_least_one,
+    check_kv_cache_choice,
+    choice,
+    read_prompts,
+)
 from k3compile.cli.render import (
     capture_text,
     config_label,
@@ -83,7 +91,8 @@ def _print_diff_howto(info: Any, selected: list[Any], layer: int | None) -> None
         "  from k3compile.compiler import CompileOptions, optimize\n"
         f"  result = optimize({info.model_dir!r}, tempfile.mkdtemp(), CompileOptions(tp={info.tp}, "
         f"dcp={info.dcp}, dcp_interleave={info.dcp_interleave}, target={info.target!r}, "
-        f"dtype={dtype_name(info.dtype)!r}, block_size={info.block_size}), overwrite=True)\n"
+        f"dtype={dtype_name(info.dtype)!r}, kv_cache_dtype={'fp8' if info.kv_cache_dtype.itemsize == 1 else 'auto'!r}, "
+        f"block_size={info.block_size}), overwrite=True)\n"
         f"  rec = next(r for r in result.pipeline.records if r.pass_name == {example_pass!r} "
         f"and r.phase == {example_phase!r})\n"
         f"  print(rec{filt}.to_text())   # or display(rec{filt}) in Jupyter",
@@ -124,6 +133,8 @@ def _artifact_table(out: Path, info: Any) -> Table:
         where = f" ({target.device}, {target.arch})"
     table.add_row("target", escape(info.target) + where)
     table.add_row("dtype", dtype_name(info.dtype))
+    kv = dtype_name(info.kv_cache_dtype)
+    table.add_row("MLA cache", f"{kv} values + per-token scales" if info.kv_cache_dtype.itemsize == 1 else kv)
     table.add_row("block size", f"{info.block_size} tokens per MLA cache block")
     table.add_row("phases", ", ".join(info.phases))
     table.add_row("capture", escape(capture_text(info.capture_stats)))
@@ -270,6 +281,11 @@ def run_command(
             "under Triton's interpreter, slow, to test the GPU code path without a GPU). Example: --kernels triton",
         ),
     ] = "auto",
+    kv_cache_dtype: Annotated[
+        Optional[str],
+        typer.Option(help=KV_CACHE_DTYPE_HELP + " Fixed when compiling: given here, it must be what the artifact "
+                     "was compiled with (a check). Example: --kv-cache-dtype fp8", show_default=False),
+    ] = None,
 ) -> None:
     """Load a compiled artifact with the runtime and generate tokens.
 
@@ -284,8 +300,10 @@ def run_command(
     import torch.distributed as dist
 
     from k3compile.artifact import ArtifactError
+    from k3compile.batch import check_kv_cache_dtype
     from k3compile.checkpoint.loader import CheckpointError
     from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load
+    from k3compile.targets import get_target
     from k3compile.runtime.engine import KERNELS, resolve_device
 
     distributed = os.environ.get("WORLD_SIZE") is not None
@@ -310,6 +328,12 @@ def run_command(
             # The interpreter is chosen when triton is first imported: nothing has imported it yet.
             os.environ["TRITON_INTERPRET"] = "1"
         info = read_info(out, check_checkpoint=False)
+        if kv_cache_dtype is not None:
+            check_kv_cache_choice(kv_cache_dtype)
+            try:
+                check_kv_cache_dtype(kv_cache_dtype, info.kv_cache_dtype, info.dtype, get_target(info.target))
+            except ValueError as e:
+                raise UserError(f"{out}: {e}") from None
         run_with = f"'torchrun --nproc-per-node {info.tp} -m k3compile run {out}'"
         if not distributed and info.tp > 1:
             raise UserError(f"{out} was compiled for tp={info.tp}: start it on {info.tp} processes with {run_with}")
@@ -325,7 +349,7 @@ def run_command(
                 )
         options = RuntimeOptions(
             max_sequences=len(prompts), max_context=max_context, device=device,
-            cuda_graphs=None if cuda_graphs else False, kernels=kernels,
+            cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
         )
 
         start = time.perf_counter()

@@ -12,15 +12,17 @@ from rich.markup import escape
 
 from k3compile.cli.app import UserError, app, console, fail
 from k3compile.cli.options import (
+    KV_CACHE_DTYPE_HELP,
     at_least_one,
     check_dtype,
+    check_kv_cache_choice,
     check_plan,
     check_target,
     choice,
     pass_selection,
     read_config,
 )
-from k3compile.cli.render import Steps, capture_text, config_label, human_bytes, plan_table, print_passes
+from k3compile.cli.render import Steps, capture_text, config_label, dtype_name, human_bytes, plan_table, print_passes
 from k3compile.config import PRESETS, ConfigError
 
 # registry: the --dcp-merge option's pass config (choices from the pass registry).
@@ -91,6 +93,9 @@ def optimize_command(
             help="Weight and activation dtype: bfloat16 or float32 (KDA states stay fp32). Example: --dtype float32",
         ),
     ] = "bfloat16",
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help=KV_CACHE_DTYPE_HELP + " Example: --kv-cache-dtype fp8")
+    ] = "auto",
     block_size: Annotated[
         Optional[int],
         typer.Option(
@@ -149,6 +154,7 @@ def optimize_command(
         at_least_one(block_size=block_size)
         choice(dcp_merge, _dcp_merges(), "--dcp-merge", "merge")
         check_dtype(dtype)
+        check_kv_cache_choice(kv_cache_dtype)
         check_target(target)
         enabled, disabled = pass_selection(enable, disable)
         if not model_dir.is_dir():
@@ -161,7 +167,7 @@ def optimize_command(
         try:
             options = CompileOptions(
                 tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=dtype,
-                pass_configs=_dcp_merge_config(dcp_merge),
+                kv_cache_dtype=kv_cache_dtype, pass_configs=_dcp_merge_config(dcp_merge),
                 block_size=block_size, enable=enabled, disable=disabled, validate=validate,
             )
         except ValueError as e:
@@ -169,7 +175,8 @@ def optimize_command(
 
         console.print(
             f"[bold]Compiling[/] {escape(str(model_dir))} ({config_label(cfg)}, {cfg.num_hidden_layers} layers) "
-            f"for target {target}: tp {tp}{f', dcp {dcp}' if dcp > 1 else ''}, {dtype}, block size {options.block_size}"
+            f"for target {target}: tp {tp}{f', dcp {dcp}' if dcp > 1 else ''}, {dtype}, "
+            f"{dtype_name(options.mla_cache_dtype)} MLA cache, block size {options.block_size}"
             + (", validating every pass" if validate else ""),
             soft_wrap=True,
         )
@@ -243,6 +250,9 @@ def plan_command(
     dtype: Annotated[
         str, typer.Option(help="Weight and activation dtype: bfloat16 or float32. Example: --dtype bfloat16")
     ] = "bfloat16",
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help=KV_CACHE_DTYPE_HELP + " Example: --kv-cache-dtype fp8")
+    ] = "auto",
     block_size: Annotated[
         Optional[int],
         typer.Option(help="Tokens per MLA cache block; default: the target's (h200: 64, others: 16). "
@@ -263,8 +273,10 @@ def plan_command(
 
     Example: k3compile plan --preset k3 --tp 8 --context 131072 --target mi355x
     """
+    from k3compile.batch import resolve_kv_cache_dtype
     from k3compile.compiler import DTYPES
     from k3compile.memory import MemoryOptions, plan_memory
+    from k3compile.targets import get_target
     from k3compile.pipeline import PassError
 
     try:
@@ -272,11 +284,16 @@ def plan_command(
         check_plan(tp, dcp, dcp_interleave, cfg)
         at_least_one(context=context, sequences=sequences, block_size=block_size)
         check_dtype(dtype)
+        check_kv_cache_choice(kv_cache_dtype)
         check_target(target)
         enabled, disabled = pass_selection(enable, disable)
+        try:
+            kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, DTYPES[dtype], get_target(target))
+        except ValueError as e:
+            raise UserError(str(e)) from None
         options = MemoryOptions(
             tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=DTYPES[dtype], context=context,
-            sequences=sequences, block_size=block_size, enable=enabled, disable=disabled,
+            sequences=sequences, block_size=block_size, enable=enabled, disable=disabled, kv_cache_dtype=kv_dtype,
         )
         with Steps() as steps:
             result = plan_memory(cfg, options, on_step=steps)

@@ -136,6 +136,20 @@ def check_target(target: str) -> str:
     return choice(target, tuple(TARGETS), "--target", "target")
 
 
+#: ``--kv-cache-dtype``'s help, shared by optimize, plan and run
+KV_CACHE_DTYPE_HELP = (
+    "The MLA latent cache's dtype: auto (the model dtype), bf16, or fp8 (E4M3 with a per-token scale for the "
+    "latent and one for k_pe: 592 bytes per token and layer in K3 instead of 1152; fnuz E4M3 on mi300x)."
+)
+
+
+def check_kv_cache_choice(value: str) -> str:
+    """``--kv-cache-dtype``: one of the cache dtype choices."""
+    from k3compile.batch import KV_CACHE_DTYPE_CHOICES
+
+    return choice(value, KV_CACHE_DTYPE_CHOICES, "--kv-cache-dtype", "choice")
+
+
 def check_dtype(dtype: str) -> str:
     """``--dtype``: one of the model dtypes the compiler accepts."""
     from k3compile.compiler import DTYPES

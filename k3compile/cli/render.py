@@ -302,9 +302,11 @@ def plan_table(result: Any) -> Group:
         table.add_column("saved", justify="right")
     kinds = {k: [e.weights[k] for _, e in stages] for k in stages[0][1].weights if any(e.weights[k] for _, e in stages)}
     n_mla = cfg.layer_kinds.count("mla")
+    kv = dtype_name(o.mla_cache_dtype)
+    kv = f"{kv} + scales" if o.mla_cache_dtype.itemsize == 1 else kv
     rows = list(kinds.items()) + [
         ("weights", [e.weight_total for _, e in stages]),
-        (f"MLA latent KV ({n_mla} layers)", [e.mla_kv for _, e in stages]),
+        (f"MLA latent KV ({n_mla} layers, {kv})", [e.mla_kv for _, e in stages]),
         (f"KDA state ({cfg.num_hidden_layers - n_mla} layers)", [e.kda_state for _, e in stages]),
         ("total", [e.total for _, e in stages]),
     ]

@@ -59,7 +59,7 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, h, Dn + self.rope)
         c = self.kv_a_proj_with_mqa(x)
         kv = torch.cat([self.kv_a_layernorm(c[:, :L]), c[:, L:]], dim=-1)
-        torch.ops.k3.mla_cache_write(cache.kv, kv, batch.slot_mapping)
+        torch.ops.k3.mla_cache_write(cache.kv, kv, batch.slot_mapping, L)
         if batch.decode:
             w_kv = self.kv_b_proj.weight.view(h, Dn + self.v_dim, L)
             w_uk, w_uv = w_kv[:, :Dn], w_kv[:, Dn:]

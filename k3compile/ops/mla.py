@@ -3,12 +3,16 @@
 Cache layout (one tensor per MLA layer): ``kv_cache[num_blocks, block_size, W]`` with
 W = kv_lora_rank + qk_rope_head_dim (576 in K3): per token the RMS-normalised latent
 (first kv_lora_rank values) followed by k_pe, the key part shared by all heads (no
-rotary embedding: NoPE). Sequence i's position p lives in block
-``block_table[i, p // block_size]`` at offset ``p % block_size``.
+rotary embedding: NoPE), in the model dtype; or, in an FP8 cache, ``W + 16`` FP8
+elements per token, the values with their scales (``k3compile/mla_cache_fp8.py``). Sequence i's
+position p lives in block ``block_table[i, p // block_size]`` at offset
+``p % block_size``. Every op reads either layout; the dequantised values are what
+attention sees.
 
-``k3::mla_cache_write``  stores new tokens' (latent, k_pe) at their flat slots in place
-                         (padding rows of a batch point at a scratch block the runtime
-                         reserves, so the write never needs a data-dependent mask).
+``k3::mla_cache_write``  stores new tokens' (latent, k_pe) at their flat slots in place,
+                         quantised there for an FP8 cache (padding rows of a batch point
+                         at a scratch block the runtime reserves, so the write never
+                         needs a data-dependent mask).
 ``k3::mla_prefill``      the naive form: k_nope = W_UK latent, v = W_UV latent per head
                          (kv_b_proj rows are per head [k_nope | v]), causal softmax of
                          scale * (q_nope.k_nope + q_pe.k_pe) over the whole context.
@@ -35,6 +39,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.mla_cache_fp8 import (
+    cache_rows_as_values,
+    cache_value_width,
+    dequantize_rows,
+    is_fp8_cache,
+    is_fp8_dtype,
+    quantize_rows,
+)
+
 
 def gather_context(kv_cache: Tensor, block_table_row: Tensor, length: int) -> Tensor:
     """The first ``length`` cached tokens of one sequence, [length, W]."""
@@ -44,15 +57,25 @@ def gather_context(kv_cache: Tensor, block_table_row: Tensor, length: int) -> Te
     return kv_cache[blocks, pos % block_size]
 
 
-@torch.library.custom_op("k3::mla_cache_write", mutates_args=("kv_cache",))
-def mla_cache_write(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor) -> None:
-    """kv [T, W] goes to flat slots ``slot_mapping`` [T] (block * block_size + offset)."""
+def mla_cache_write_reference(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor, latent_dim: int) -> None:
+    """The torch reference of ``k3::mla_cache_write`` (any device)."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping.long(), kv.to(flat.dtype))
+    if is_fp8_cache(kv_cache):
+        rows = quantize_rows(kv, latent_dim, kv_cache.dtype)
+        flat.view(torch.uint8).index_copy_(0, slot_mapping.long(), rows.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slot_mapping.long(), kv.to(flat.dtype))
+
+
+@torch.library.custom_op("k3::mla_cache_write", mutates_args=("kv_cache",))
+def mla_cache_write(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor, latent_dim: int) -> None:
+    """kv [T, W] (latent_dim latent values, then k_pe) goes to flat slots ``slot_mapping``
+    [T] (block * block_size + offset), quantised with its per-token scales for an FP8 cache."""
+    mla_cache_write_reference(kv_cache, kv, slot_mapping, latent_dim)
 
 
 @mla_cache_write.register_fake
-def _(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor) -> None:
+def _(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor, latent_dim: int) -> None:
     return None
 
 
@@ -78,7 +101,7 @@ def _prefill_attention(q: Tensor, contexts: list[Tensor], kv_b_weight: Tensor, c
     last of its context) over its cached context ``contexts[i]`` [ctx, L + R]."""
     T, H, Dqk = q.shape
     L = kv_b_weight.shape[1]
-    W = contexts[0].shape[-1] if contexts else L
+    W = cache_value_width(contexts[0]) if contexts else L
     Dn = Dqk - (W - L)
     w = kv_b_weight.float().view(H, -1, L)
     w_uk, w_uv = w[:, :Dn], w[:, Dn:]  # [H, Dn, L], [H, Dv, L]
@@ -88,7 +111,7 @@ def _prefill_attention(q: Tensor, contexts: list[Tensor], kv_b_weight: Tensor, c
         n_new, ctx = stop - start, c.shape[0]
         if n_new == 0:
             continue
-        c = c.float()
+        c = cache_rows_as_values(c, L)
         latent, k_pe = c[:, :L], c[:, L:]
         k_nope = torch.einsum("cl,hdl->hcd", latent, w_uk)  # [H, ctx, Dn]
         v = torch.einsum("cl,hdl->hcd", latent, w_uv)  # [H, ctx, Dv]
@@ -105,19 +128,22 @@ def _prefill_attention(q: Tensor, contexts: list[Tensor], kv_b_weight: Tensor, c
 def _(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale):
     H = q.shape[1]
     L = kv_b_weight.shape[1]
-    Dn = q.shape[-1] - (kv_cache.shape[-1] - L)
+    Dn = q.shape[-1] - (cache_value_width(kv_cache) - L)
     return q.new_empty(q.shape[0], H, kv_b_weight.shape[0] // H - Dn)
 
 
 @torch.library.custom_op("k3::mla_prefill_new_tokens", mutates_args=())
 def mla_prefill_new_tokens(
-    q: Tensor, kv: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, scale: float
+    q: Tensor, kv: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, scale: float,
+    cache_dtype: torch.dtype,
 ) -> Tensor:
     """``mla_prefill`` of sequences whose whole context is this step's tokens: attention
-    over their latents ``kv`` [T, L + R] as computed (not read back from the cache).
-    Under context parallelism a rank's cache holds only its own positions, so prefill
-    attends to the fresh latents every rank has; a sequence with earlier context is an
-    error (``seq_lens`` must equal the new-token counts)."""
+    over their latents ``kv`` [T, L + R] as computed (not read back from the cache), as
+    the cache of ``cache_dtype`` holds them (through its FP8 rounding for an FP8 cache:
+    the same values ``mla_prefill`` would read back). Under context parallelism a rank's
+    cache holds only its own positions, so prefill attends to the fresh latents every
+    rank has; a sequence with earlier context is an error (``seq_lens`` must equal the
+    new-token counts)."""
     cu = cu_seqlens.tolist()
     new = [b - a for a, b in zip(cu, cu[1:])]
     history = [(i, ctx - n) for i, (ctx, n) in enumerate(zip(seq_lens.tolist(), new)) if ctx != n]
@@ -127,11 +153,14 @@ def mla_prefill_new_tokens(
             f"k3::mla_prefill_new_tokens: sequence {i} has {earlier} earlier tokens; context-parallel "
             "prefill starts new sequences only"
         )
+    L = kv_b_weight.shape[1]
+    if is_fp8_dtype(cache_dtype):
+        kv = dequantize_rows(quantize_rows(kv, L, cache_dtype), L)
     return _prefill_attention(q, [kv[a:b] for a, b in zip(cu, cu[1:])], kv_b_weight, cu, scale)
 
 
 @mla_prefill_new_tokens.register_fake
-def _(q, kv, kv_b_weight, cu_seqlens, seq_lens, scale):
+def _(q, kv, kv_b_weight, cu_seqlens, seq_lens, scale, cache_dtype):
     H = q.shape[1]
     L = kv_b_weight.shape[1]
     Dn = q.shape[-1] - (kv.shape[-1] - L)
@@ -148,7 +177,7 @@ def mla_decode_reference(
     max_len = block_table.shape[1] * block_size
     pos = torch.arange(max_len, device=q.device)
     blocks = block_table.long().gather(1, (pos // block_size).expand(B, -1))  # [B, max_len]
-    ctx = kv_cache[blocks, (pos % block_size).expand(B, -1)].float()  # [B, max_len, W]
+    ctx = cache_rows_as_values(kv_cache[blocks, (pos % block_size).expand(B, -1)], value_dim)  # [B, max_len, W]
     scores = torch.einsum("bhw,bcw->bhc", q.float(), ctx) * scale
     valid = pos[None, :] < seq_lens.long()[:, None]  # [B, max_len]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

@@ -3,7 +3,8 @@ a record.
 
 After each pass that changed the graph: graph lint, the program's output signature
 re-synced with the graph, shape re-propagation (fake tensors with the programs' symbolic
-sizes) and placement re-propagation, both only where the pass changed something (a
+sizes), the FP8 MLA cache invariant (:mod:`.mla_cache_check`, also checked before the
+first pass) and placement re-propagation, both only where the pass changed something (a
 :class:`GraphState` taken before the pass tells), optionally translation validation (the
 program before and after, run on identical random inputs), and a
 :class:`~k3compile.records.PassRecord` for notebooks and the CLI. Before a pass, the graph
@@ -24,6 +25,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from k3compile.config import K3Config
 from k3compile.pipeline.interface import GraphPass, PassContext, PassError
+from k3compile.pipeline.mla_cache_check import check_mla_cache_use
 from k3compile.pipeline.selection import PipelineOptions, resolve_passes
 from k3compile.placement import propagate_placements
 from k3compile.records import GraphSnapshot, PassRecord, pipeline_summary_html, snapshot
@@ -278,6 +280,8 @@ def run_pipeline(
     waiting: dict[str, float] = {}  # seconds of runs no report has counted yet
     stale: set[str] = set()  # phases whose module code is older than their graph
     take = snapshot if record else lambda _gm: GraphSnapshot.from_lines([])
+    for program in programs.values():
+        check_mla_cache_use(program.graph_module)
     for graph_pass in passes if passes is not None else resolve_passes(target, options, plan):
         for phase, program in programs.items() if validating else ():
             if phase not in runs:  # before the pass changes any phase's program or the shared specs
@@ -301,6 +305,7 @@ def run_pipeline(
                 stale.add(phase)
                 sync_signature(program)
                 propagate_shapes(gm, state)
+                check_mla_cache_use(gm)
                 propagate_placements(gm, program, specs, plan,
                                      only={n for n in gm.graph.nodes if state.rewired(n) or state.revalued(n)})
                 latest[phase] = take(gm)

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.fx import Node
 
+from k3compile.mla_cache_fp8 import SCALE_BYTES
 from k3compile.ops.activations import situ_and_mul
 from k3compile.ops.attn_res import attn_res_mix
 from k3compile.ops.dcp import dcp_local_lengths, dcp_merge, dcp_pack, dcp_rescale
@@ -149,9 +150,19 @@ register_op_rules({
 # block size (an upper bound on each sequence's cached length).
 
 
+def _cache_row_bytes(call: CostCall) -> int:
+    """Bytes per cached token (an FP8 cache's rows include their scales)."""
+    return call.size("kv_cache", 2) * call.itemsize("kv_cache")
+
+
+def _cache_values(call: CostCall) -> int:
+    """Values per cached token, W = L + R (an FP8 cache's rows are W + SCALE_BYTES wide)."""
+    width = call.size("kv_cache", 2)
+    return width - SCALE_BYTES if call.itemsize("kv_cache") == 1 else width
+
+
 def _mla_cache_write_cost(call: CostCall) -> Cost:
-    T, W = call.shape("kv")
-    written = T * W * call.itemsize("kv_cache")
+    written = call.size("kv", 0) * _cache_row_bytes(call)
     return Cost(0, call.nbytes("kv") + call.nbytes("slot_mapping") + written)
 
 
@@ -160,13 +171,12 @@ def _mla_prefill_cost(call: CostCall) -> Cost:
     token and head: scores and values (2*ctx*(Dqk+Dv)) and the softmax (5*ctx)."""
     T, H, Dqk = call.shape("q")
     L = call.size("kv_b_weight", 1)
-    W = call.size("kv_cache", 2)
-    Dn = Dqk - (W - L)
+    Dn = Dqk - (_cache_values(call) - L)
     Dv = call.size("kv_b_weight", 0) // H - Dn
     N = call.numel("seq_lens")
     ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
     flops = 2 * N * ctx * L * H * (Dn + Dv) + T * H * ctx * (2 * (Dqk + Dv) + 5)
-    return Cost(flops, call.io_bytes() + N * ctx * W * call.itemsize("kv_cache"))
+    return Cost(flops, call.io_bytes() + N * ctx * _cache_row_bytes(call))
 
 
 def _mla_prefill_new_tokens_cost(call: CostCall) -> Cost:
@@ -186,7 +196,7 @@ def _mla_decode_cost(call: CostCall) -> Cost:
     B, H, W = call.shape("q")
     ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
     flops = B * H * ctx * (2 * W + 2 * int(call.arg("value_dim")) + 5)
-    return Cost(flops, call.io_bytes() + B * ctx * W * call.itemsize("kv_cache"))
+    return Cost(flops, call.io_bytes() + B * ctx * _cache_row_bytes(call))
 
 
 _MLA_DECODE_RULE = split(

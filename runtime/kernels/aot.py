@@ -167,8 +167,9 @@ class AsmRequest:
     kind: str
 
 
-#: Triton's names of the activation dtypes the launchers take
-TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+#: Triton's names of the activation and FP8 cache dtypes the launchers take
+TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
 
 
 def launch_signature(fn: JITFunction, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3compile.mla_cache_fp8 import is_fp8_cache, is_fp8_dtype
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 from k3compile.runtime.kernels.mla_common import (
@@ -35,6 +36,7 @@ from k3compile.runtime.kernels.mla_common import (
     _check_inputs,
     _dot_constexprs,
     _empty,
+    _fp8_row_scales,
     _kernel_launch,
     _widths,
 )
@@ -50,7 +52,7 @@ def _mla_attention_kernel(
     block_size,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Program (sequence n, row tile): BLOCK_M rows (token, head) of n's new tokens
     against every position they see. Row (t, h) sees context positions up to t's own
@@ -61,6 +63,9 @@ def _mla_attention_kernel(
     multiply + row sums. FP32_DOT: dots on fp32 copies of the operands (exact for
     bf16/fp16 values; p is still rounded to the cache dtype first, as on the GPU), set
     only under TRITON_INTERPRET, whose tl.dot multiplies bf16 bit patterns (triton#11584).
+    KV_FP8: an FP8 cache (k3compile/mla_cache_fp8.py): codes converted to the model dtype
+    in registers; each row's latent and k_pe scales multiply its score terms and its
+    probability (the value's factor), never the tiles.
     o/lse: the final [tokens, H, L] / [tokens, H] outputs."""
     n = tl.program_id(0)
     if DECODE:
@@ -80,12 +85,13 @@ def _mla_attention_kernel(
 
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
-    dot_ty = tl.float32 if FP32_DOT else kv_ptr.dtype.element_ty
+    p_ty = q_ptr.dtype.element_ty  # the model dtype (a float cache has it too)
+    dot_ty = tl.float32 if FP32_DOT else p_ty
     q_row = q_ptr + (start + tok).to(tl.int64) * stride_qt + head * stride_qh
     q_lat = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None] & (offs_l[None, :] < L), other=0.0)
     q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)
-    q_lat = q_lat.to(kv_ptr.dtype.element_ty).to(dot_ty)
-    q_pe = q_pe.to(kv_ptr.dtype.element_ty).to(dot_ty)
+    q_lat = q_lat.to(dot_ty)
+    q_pe = q_pe.to(dot_ty)
 
     bt_row = block_table_ptr + n.to(tl.int64) * stride_btb
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -99,11 +105,16 @@ def _mla_attention_kernel(
         k_lat = tl.load(kv_row[:, None] + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
         k_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
         if USE_DOT:
-            s = tl.dot(q_lat, tl.trans(k_lat.to(dot_ty)), input_precision=DOT_PRECISION)
-            s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), acc=s, input_precision=DOT_PRECISION)
+            s_lat = tl.dot(q_lat, tl.trans(k_lat.to(dot_ty)), input_precision=DOT_PRECISION)
+            s_pe = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), input_precision=DOT_PRECISION)
         else:  # one row: it broadcasts over the tile's positions
-            s = tl.sum(q_lat.to(tl.float32) * k_lat.to(tl.float32), axis=1)[None, :]
-            s += tl.sum(q_pe.to(tl.float32) * k_pe.to(tl.float32), axis=1)[None, :]
+            s_lat = tl.sum(q_lat.to(tl.float32) * k_lat.to(tl.float32), axis=1)[None, :]
+            s_pe = tl.sum(q_pe.to(tl.float32) * k_pe.to(tl.float32), axis=1)[None, :]
+        if KV_FP8:
+            sc_lat, sc_pe = _fp8_row_scales(kv_row, L + R, valid)
+            s = s_lat * sc_lat[None, :] + s_pe * sc_pe[None, :]
+        else:
+            s = s_lat + s_pe
         s = tl.where(pos[None, :] < row_end[:, None], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no visible position yet keeps m = -inf; subtracting 0 instead keeps
@@ -112,8 +123,10 @@ def _mla_attention_kernel(
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_FP8:
+            p = p * sc_lat[None, :]  # the values' scales
         if USE_DOT:
-            pv = tl.dot(p.to(k_lat.dtype).to(dot_ty), k_lat.to(dot_ty), input_precision=DOT_PRECISION)
+            pv = tl.dot(p.to(p_ty).to(dot_ty), k_lat.to(dot_ty), input_precision=DOT_PRECISION)
         else:
             pv = tl.sum(tl.trans(p) * k_lat.to(tl.float32), axis=0)[None, :]
         acc = acc * alpha[:, None] + pv
@@ -155,13 +168,13 @@ def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int
 
 
 def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype: torch.dtype, block_n: int,
-                          interpreted: bool = _INTERPRETED) -> dict[str, object]:
+                          kv_fp8: bool, interpreted: bool = _INTERPRETED) -> dict[str, object]:
     matrix_units = kernel is not GENERIC
     return {
         **_widths(qk_dim, value_dim),
         "BLOCK_M": HEAD_TILE if matrix_units else 1, "BLOCK_N": block_n,
         "DECODE": kernel.phase == "decode", "USE_DOT": matrix_units,
-        **_dot_constexprs(dtype, interpreted),
+        **_dot_constexprs(dtype, interpreted), "KV_FP8": kv_fp8,
     }
 
 
@@ -182,7 +195,7 @@ def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor |
     if T == 0 or max_new_tokens == 0:
         return o, lse
     block_n = block_n or default_block_n(kernel is not GENERIC, _backend(), q.dtype)
-    c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n)
+    c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n, is_fp8_cache(kv_cache))
     grid = (seq_lens.shape[0], triton.cdiv(max_new_tokens * H, c["BLOCK_M"]))
     _mla_attention_kernel[grid](
         q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, o, lse,
@@ -223,15 +236,18 @@ PREFILL = MLAKernel("mla_prefill_absorbed", "prefill", 1, _DTYPES, 576, 512, Fal
 
 
 def attention_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512,
-                           dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
+                           dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> list[KernelLaunch]:
     """The generic and prefill kernels as their launchers specialise them on ``backend``
-    ("hip" or "cuda"), for AOT checks."""
+    ("hip" or "cuda") for a ``kv_dtype`` cache (default ``dtype``), for AOT checks."""
     t = TRITON_DTYPES[dtype]
+    kv_dtype = kv_dtype or dtype
+    fp8 = is_fp8_dtype(kv_dtype)
     launches = []
     for kernel in (GENERIC, PREFILL):
         c = _attention_constexprs(kernel, qk_dim, value_dim, dtype,
-                                  default_block_n(kernel is not GENERIC, backend, dtype), interpreted=False)
-        ptrs = {"q_ptr": t, "kv_ptr": t, "cu_seqlens_ptr": "i32", "block_table_ptr": "i32", "seq_lens_ptr": "i32",
-                "o_ptr": t, "lse_ptr": "fp32"}
-        launches.append(_kernel_launch(kernel.name, _mla_attention_kernel, ptrs, c, _NUM_WARPS))
+                                  default_block_n(kernel is not GENERIC, backend, dtype), fp8, interpreted=False)
+        ptrs = {"q_ptr": t, "kv_ptr": TRITON_DTYPES[kv_dtype], "cu_seqlens_ptr": "i32", "block_table_ptr": "i32",
+                "seq_lens_ptr": "i32", "o_ptr": t, "lse_ptr": "fp32"}
+        launches.append(_kernel_launch(kernel.name + ("_fp8" if fp8 else ""), _mla_attention_kernel, ptrs, c,
+                                       _NUM_WARPS))
     return launches

@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from k3compile.mla_cache_fp8 import cache_value_width, is_fp8_cache
 from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels.aot import KernelLaunch
 
@@ -36,6 +37,15 @@ def _interpreter_probe():
 _INTERPRETED = not isinstance(_interpreter_probe, JITFunction)
 
 
+@triton.jit
+def _fp8_row_scales(kv_row, W: tl.constexpr, valid):
+    """The latent and k_pe scales of FP8 cache rows (k3compile/mla_cache_fp8.py: two fp32
+    after each row's W values); ``kv_row`` points at the rows' first values. Rows not
+    ``valid`` read 0 (their values are masked to 0 too)."""
+    scales = (kv_row + W).to(tl.pointer_type(tl.float32), bitcast=True)
+    return tl.load(scales, mask=valid, other=0.0), tl.load(scales + 1, mask=valid, other=0.0)
+
+
 # ---------------------------------------------------------------------------------------
 # Declarations
 # ---------------------------------------------------------------------------------------
@@ -51,7 +61,7 @@ class MLAKernel:
     name: str
     phase: str  # "decode" | "prefill"
     head_multiple: int  # num_heads must be a multiple of this
-    dtypes: tuple[torch.dtype, ...]  # of q and the cache (the same)
+    dtypes: tuple[torch.dtype, ...]  # of q, and of the cache unless it is FP8 (k3compile/mla_cache_fp8.py)
     qk_dim: int
     value_dim: int
     splits_kv: bool  # parallel over the context (batch 1 fills the GPU)
@@ -132,10 +142,11 @@ def _check_inputs(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, block_table: T
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"{kernel.name}: q must be 3-D and kv_cache [num_blocks, block_size, W], "
                          f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
-    if q.shape[-1] != kv_cache.shape[-1]:
-        raise ValueError(f"{kernel.name}: q width {q.shape[-1]} != cache width {kv_cache.shape[-1]}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"{kernel.name}: q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must have one dtype")
+    if q.shape[-1] != cache_value_width(kv_cache):
+        raise ValueError(f"{kernel.name}: q width {q.shape[-1]} != cache width {cache_value_width(kv_cache)}")
+    if q.dtype != kv_cache.dtype and not is_fp8_cache(kv_cache):
+        raise ValueError(f"{kernel.name}: q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must have one dtype "
+                         "(or the cache an FP8 one)")
     reason = kernel.reason_rejected(q.shape[1], q.dtype, q.shape[-1], value_dim)
     if reason is not None:
         raise ValueError(reason)

@@ -90,10 +90,12 @@ def register_kernels(device_type: str) -> None:
 
 
 def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
-                 num_splits: int = 64) -> list[KernelLaunch]:
-    """Every MLA kernel as the launchers specialise it on ``backend`` ("hip" or "cuda"),
-    for AOT checks with aot.compile_for_target: the split-KV kernel once per head tile
-    (``mla_decode_split_kv_h16`` ...), the generic and prefill kernels, the split combine."""
-    return [*split_kv_aot_launches(backend, qk_dim, value_dim, dtype),
-            *attention_aot_launches(backend, qk_dim, value_dim, dtype),
+                 num_splits: int = 64, kv_dtype: torch.dtype | None = None) -> list[KernelLaunch]:
+    """Every MLA kernel as the launchers specialise it on ``backend`` ("hip" or "cuda") for
+    a ``kv_dtype`` cache (default ``dtype``; an FP8 format: the FP8 layout), for AOT checks
+    with aot.compile_for_target: the split-KV kernel once per head tile
+    (``mla_decode_split_kv_h16`` ...), the generic and prefill kernels, the split combine
+    (which reads only fp32 partials: the same for every cache)."""
+    return [*split_kv_aot_launches(backend, qk_dim, value_dim, dtype, kv_dtype),
+            *attention_aot_launches(backend, qk_dim, value_dim, dtype, kv_dtype),
             combine_aot_launch(value_dim, dtype, num_splits)]

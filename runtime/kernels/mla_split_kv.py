@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from k3compile.mla_cache_fp8 import cache_value_width, is_fp8_cache, is_fp8_dtype
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 from k3compile.runtime.kernels.mla_common import (
@@ -47,6 +48,7 @@ from k3compile.runtime.kernels.mla_common import (
     _check_inputs,
     _dot_constexprs,
     _empty,
+    _fp8_row_scales,
     _kernel_launch,
     _widths,
 )
@@ -66,23 +68,47 @@ MAX_SPLITS = 256
 
 
 @triton.jit
-def _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, scale_log2,
-                         DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr):
+def _fp8_codes_as_fp16(x):
+    """E4M3 codes as fp16 values: the code's sign, exponent and mantissa bits moved into an
+    fp16's (two integer operations per value, no conversion instruction). The result is
+    the code's value times 2^-8 (OCP E4M3, bias 7 against fp16's 15; 2^-7 for fnuz, bias
+    8), subnormal codes included: callers fold the power of two into the row scales."""
+    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, scale_log2, sc_lat, sc_pe,
+                         P_TY: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         FP32_DOT: tl.constexpr):
     """One KV tile of the split-KV kernel: [BLOCK_N, *] latent / k_pe rows in the cache
     dtype (``valid`` marks those in the context) against the [*, BLOCK_H] query columns
     (already in the dot dtype); returns the updated running max m_i, sum l_i (log2
     domain) and [BLOCK_L, BLOCK_H] accumulator. The latent tile is also the value: the
-    dots put the KV rows on the M side."""
-    dot_ty = tl.float32 if FP32_DOT else k_lat.dtype
-    s = tl.dot(k_lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION)
-    s = tl.dot(k_pe.to(dot_ty), q_pe, acc=s, input_precision=DOT_PRECISION)
+    dots put the KV rows on the M side. Probabilities meet the values rounded to P_TY.
+
+    KV_FP8: the rows are FP8 codes, taken as fp16 by :func:`_fp8_codes_as_fp16` (exact),
+    against fp16 queries, P_TY fp16; sc_lat / sc_pe [BLOCK_N] are the rows' scales with
+    every power of two the caller folded in. A row's scale is a factor of its score terms
+    and of its value, so it scales the [BLOCK_N, BLOCK_H] scores and probabilities, never
+    the tiles."""
+    dot_ty = tl.float32 if FP32_DOT else P_TY
+    if KV_FP8:
+        lat = _fp8_codes_as_fp16(k_lat)
+        s = tl.dot(lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION) * sc_lat[:, None]
+        s += tl.dot(_fp8_codes_as_fp16(k_pe).to(dot_ty), q_pe, input_precision=DOT_PRECISION) * sc_pe[:, None]
+    else:
+        lat = k_lat
+        s = tl.dot(k_lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION)
+        s = tl.dot(k_pe.to(dot_ty), q_pe, acc=s, input_precision=DOT_PRECISION)
     s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
     # Every tile has a valid row, so m_new is finite: no -inf - -inf.
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    acc = tl.dot(tl.trans(k_lat.to(dot_ty)), p.to(k_lat.dtype).to(dot_ty), acc=acc * alpha[None, :],
+    p_v = p * sc_lat[:, None] if KV_FP8 else p
+    acc = tl.dot(tl.trans(lat.to(dot_ty)), p_v.to(P_TY).to(dot_ty), acc=acc * alpha[None, :],
                  input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -99,7 +125,7 @@ def _mla_decode_split_kv_kernel(
     block_size,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
-    USE_TMA: tl.constexpr, GATHER_N: tl.constexpr,
+    USE_TMA: tl.constexpr, GATHER_N: tl.constexpr, KV_FP8: tl.constexpr, FP8_UNSCALE: tl.constexpr,
 ):
     """Program (head tile, KV split, sequence n): BLOCK_H heads of n against the split's
     share of n's context.
@@ -113,6 +139,12 @@ def _mla_decode_split_kv_kernel(
     registers (255 registers). On AMD the same source lowers to MFMA tiles, with fewer
     VGPRs than the heads-on-M form (AOT).
     FP32_DOT: as in _mla_attention_kernel (interpreter only).
+    KV_FP8: an FP8 cache (k3compile/mla_cache_fp8.py): codes taken as fp16 in registers
+    (:func:`_fp8_codes_as_fp16`: 2^-8 x their values, FP8_UNSCALE = 2^8 folded into each
+    row's two scales, loaded beside it; 2^7 for fnuz), q moved into fp16's range by a power
+    of two that the score scale takes back; fp16 dots, fp32 accumulation (see
+    _online_softmax_tile). fp16, not the model's bf16: the codes' conversion to bf16 has
+    no packed instruction on sm_90 and made the kernel 1.5x slower (H200).
     USE_TMA: KV tiles through tensor descriptors (``lat_desc`` [rows, L] and ``pe_desc``
     [rows, W] over the cache's rows, see :func:`_kv_descriptors`): one bulk copy per
     tile instead of a 16-byte cp.async per thread and row, so the copy engine, not the
@@ -136,12 +168,24 @@ def _mla_decode_split_kv_kernel(
     head_ok = heads < num_heads  # a head tile wider than the heads left (a sweep's choice)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
-    dot_ty = tl.float32 if FP32_DOT else kv_ptr.dtype.element_ty
+    # the dots' dtype: the model's, or fp16 for an FP8 cache under a 16-bit model (its codes
+    # are exact fp16 values)
+    p_ty = tl.float16 if KV_FP8 and q_ptr.dtype.element_ty != tl.float32 else q_ptr.dtype.element_ty
+    dot_ty = tl.float32 if FP32_DOT else p_ty
     q_col = q_ptr + n.to(tl.int64) * stride_qb + heads * stride_qh
     q_lat = tl.load(q_col[None, :] + offs_l[:, None], mask=head_ok[None, :] & (offs_l[:, None] < L), other=0.0)
     q_pe = tl.load(q_col[None, :] + L + offs_r[:, None], mask=head_ok[None, :] & (offs_r[:, None] < R), other=0.0)
-    q_lat = q_lat.to(kv_ptr.dtype.element_ty).to(dot_ty)  # [BLOCK_L, BLOCK_H]: q^T
-    q_pe = q_pe.to(kv_ptr.dtype.element_ty).to(dot_ty)
+    score_log2 = scale_log2
+    if KV_FP8:
+        # q into fp16's range by a power of two (exact): its largest |value| below 2^15
+        q_max = tl.maximum(tl.max(tl.max(tl.abs(q_lat.to(tl.float32)), axis=1), axis=0),
+                           tl.max(tl.max(tl.abs(q_pe.to(tl.float32)), axis=1), axis=0))
+        q_shift = tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, 0.0)
+        q_lat = q_lat.to(tl.float32) * tl.exp2(-q_shift)
+        q_pe = q_pe.to(tl.float32) * tl.exp2(-q_shift)
+        score_log2 = scale_log2 * tl.exp2(q_shift)  # the scores get it back; the values never had it
+    q_lat = q_lat.to(p_ty).to(dot_ty)  # [BLOCK_L, BLOCK_H]: q^T
+    q_pe = q_pe.to(p_ty).to(dot_ty)
 
     bt_row = block_table_ptr + n.to(tl.int64) * stride_btb
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -160,8 +204,15 @@ def _mla_decode_split_kv_kernel(
             row0 = block * block_size + n0 % block_size
             k_lat = lat_desc.load([row0, 0])  # columns past L read as 0 (the descriptor's shape)
             k_pe = pe_desc.load([row0, L])  # columns past W read as 0
-            m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, tl.full([BLOCK_N], True, tl.int1),
-                                                 m_i, l_i, acc, scale_log2, DOT_PRECISION, FP32_DOT)
+            whole = tl.full([BLOCK_N], True, tl.int1)
+            sc_lat = tl.zeros([BLOCK_N], tl.float32)  # unused without KV_FP8
+            sc_pe = sc_lat
+            if KV_FP8:  # the tile's rows are consecutive rows of one block
+                rows = kv_ptr + (row0 + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kvt
+                sc_lat, sc_pe = _fp8_row_scales(rows, L + R, whole)
+            m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, whole, m_i, l_i, acc, score_log2,
+                                                 sc_lat * FP8_UNSCALE, sc_pe * FP8_UNSCALE, p_ty, KV_FP8,
+                                                 DOT_PRECISION, FP32_DOT)
             block = block_next
     else:
         tail_start = kv_start
@@ -185,13 +236,18 @@ def _mla_decode_split_kv_kernel(
         # Masked rows read as 0: an unwritten cache row may hold NaN, and 0 * NaN = NaN.
         k_lat = tl.load(kv_row[:, None] + offs_l[None, :], mask=valid[:, None] & (offs_l[None, :] < L), other=0.0)
         k_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
-        m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid,
-                                             m_i, l_i, acc, scale_log2, DOT_PRECISION, FP32_DOT)
+        sc_lat = tl.zeros([GATHER_N], tl.float32)  # unused without KV_FP8
+        sc_pe = sc_lat
+        if KV_FP8:
+            sc_lat, sc_pe = _fp8_row_scales(kv_row, L + R, valid)
+        m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, score_log2,
+                                             sc_lat * FP8_UNSCALE, sc_pe * FP8_UNSCALE, p_ty, KV_FP8,
+                                             DOT_PRECISION, FP32_DOT)
         block = block_next
 
     # An empty range leaves l = 0, m = -inf: o = 0 and lse = -inf + log2(0) = -inf.
-    o = tl.where(l_i[None, :] > 0, acc / l_i[None, :], 0.0)
     o_col = o_ptr + n.to(tl.int64) * stride_ob + heads * stride_oh + split * stride_os
+    o = tl.where(l_i[None, :] > 0, acc / l_i[None, :], 0.0)
     tl.store(o_col[None, :] + offs_l[:, None], o, mask=head_ok[None, :] & (offs_l[:, None] < L))
     lse = (m_i + tl.log2(l_i)) * _LN2
     tl.store(lse_ptr + n.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=head_ok)
@@ -272,6 +328,16 @@ class SplitKVConfig:
     tma: bool = False
 
 
+#: sm_90 launches with an FP8 cache, by head tile (provisional: the bf16 launches; an H200
+#: sweep of benchmarks/mla_decode_fp8.py decides). AOT: 255 registers with spills at every
+#: 32-row tile (16 heads: 56 words), since the converted tile lives in registers.
+FP8_CUDA_CONFIGS = {
+    16: SplitKVConfig(16, 32, 4, 3, 2, tma=True),
+    32: SplitKVConfig(32, 32, 4, 3, 2, tma=True),
+    64: SplitKVConfig(64, 32, 8, 3, 1, tma=True),
+}
+
+
 def split_kv_head_tiles(backend: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
     """The head tiles :func:`split_kv_config` uses on ``backend``. 64 heads hold a [512,
     64] fp32 accumulator, which fits sm_90's 8 warps but spills VGPRs on AMD (gfx942 /
@@ -282,8 +348,10 @@ def split_kv_head_tiles(backend: str, dtype: torch.dtype = torch.bfloat16) -> tu
     return (16, 32, 64) if backend == "cuda" else (16, 32)
 
 
-def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfloat16) -> SplitKVConfig:
-    """The split-KV kernel's launch for ``num_heads`` (a multiple of 16) on ``backend``.
+def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfloat16,
+                    kv_dtype: torch.dtype | None = None) -> SplitKVConfig:
+    """The split-KV kernel's launch for ``num_heads`` (a multiple of 16) on ``backend``, for
+    ``dtype`` queries and a ``kv_dtype`` cache (default ``dtype``).
 
     Head tile: the widest of :func:`split_kv_head_tiles` that divides ``num_heads``, so
     no padded head is computed: 16, 32, 64 heads take one program per (sequence, split),
@@ -302,23 +370,38 @@ def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfl
     AMD: 32-row tiles, no software pipeline (its buffers cost VGPRs on gfx942), 4 warps;
     16 heads: 237 / 246 VGPRs (gfx942 / gfx950), 2 waves per SIMD; 32 heads: 401 / 468,
     1 wave. fp32 inputs (twice the bytes per row, dots without matrix units): 16 rows, 8
-    warps, no spills anywhere. AMD and fp32: chosen from compiler reports, not timed."""
+    warps, no spills anywhere. AMD and fp32: chosen from compiler reports, not timed.
+
+    An FP8 cache (k3compile/mla_cache_fp8.py): its tiles are converted to the model dtype
+    in registers, which costs registers. AMD: the same tiles, 340 / 326 VGPRs at 16 heads
+    (gfx950 / gfx942; 16-row tiles still 260 / 311), so 1 wave per SIMD. sm_90: see
+    :data:`FP8_CUDA_CONFIGS`."""
     tiles = split_kv_head_tiles(backend, dtype)
     block_h = max((t for t in tiles if num_heads % t == 0), default=HEAD_TILE)
     if dtype == torch.float32:
         return SplitKVConfig(block_h, 16, 8, 1, 1)
     if backend == "hip":
-        return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 else 1)
+        fp8 = kv_dtype is not None and is_fp8_dtype(kv_dtype)
+        return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 and not fp8 else 1)
+    if kv_dtype is not None and is_fp8_dtype(kv_dtype):
+        return FP8_CUDA_CONFIGS[block_h]
     if block_h == 64:
         return SplitKVConfig(block_h, 32, 8, 3, 1, tma=True)
     return SplitKVConfig(block_h, 32, 4, 3, 2, tma=True)
 
 
+#: what an FP8 format's codes taken as fp16 (:func:`_fp8_codes_as_fp16`) are multiplied by
+FP8_UNSCALE = {torch.float8_e4m3fn: 2.0**8, torch.float8_e4m3fnuz: 2.0**7}
+
+
 def _split_kv_constexprs(config: SplitKVConfig, qk_dim: int, value_dim: int, dtype: torch.dtype,
-                         use_tma: bool, interpreted: bool = _INTERPRETED) -> dict[str, object]:
+                         use_tma: bool, kv_fp8: torch.dtype | None, interpreted: bool = _INTERPRETED,
+                         ) -> dict[str, object]:
+    """``kv_fp8``: the cache's FP8 format, None for a float cache."""
     return {**_widths(qk_dim, value_dim), "BLOCK_H": config.block_h, "BLOCK_N": config.block_n,
             **_dot_constexprs(dtype, interpreted), "USE_TMA": use_tma,
-            "GATHER_N": HEAD_TILE if use_tma else config.block_n}  # 16: the smallest dot
+            "GATHER_N": HEAD_TILE if use_tma else config.block_n,  # 16: the smallest dot
+            "KV_FP8": kv_fp8 is not None, "FP8_UNSCALE": FP8_UNSCALE.get(kv_fp8, 1.0)}
 
 
 def _kv_descriptors(kv_cache: Tensor, value_dim: int, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
@@ -329,7 +412,7 @@ def _kv_descriptors(kv_cache: Tensor, value_dim: int, block_n: int) -> tuple[Ten
     not stored back to back, a block size that is not a multiple of ``block_n`` (a tile
     must lie in one block), rows or base not 16-byte aligned (TMA), or a CUDA device
     without TMA (before sm_90)."""
-    num_blocks, block_size, W = kv_cache.shape
+    num_blocks, block_size, W = *kv_cache.shape[:2], cache_value_width(kv_cache)
     if kv_cache.is_cuda and not _INTERPRETED and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
         return None
     if kv_cache.is_cuda and torch.version.hip:  # plain loads there: measured only with pointers
@@ -405,7 +488,7 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     ``num_sms`` (default: the device's CU/SM count)."""
     _check_decode_batch(SPLIT_KV.name, q, seq_lens)
     _check_inputs(SPLIT_KV, q, kv_cache, block_table, seq_lens, value_dim)
-    cfg = config or split_kv_config(_backend(), q.shape[1], q.dtype)
+    cfg = config or split_kv_config(_backend(), q.shape[1], q.dtype, kv_cache.dtype)
     if block_n is not None:
         cfg = dataclasses.replace(cfg, block_n=block_n)
     if cfg.block_n > MAX_SPLIT_KV_BLOCK_N and q.is_cuda:
@@ -441,7 +524,8 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         *o_strides, *lse_strides,
         kv_cache.shape[1],
-        **_split_kv_constexprs(cfg, W, value_dim, q.dtype, descriptors is not None),
+        **_split_kv_constexprs(cfg, W, value_dim, q.dtype, descriptors is not None,
+                               kv_cache.dtype if is_fp8_cache(kv_cache) else None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -458,24 +542,28 @@ SPLIT_KV = MLAKernel("mla_decode_split_kv", "decode", HEAD_TILE, _DTYPES, 576, 5
 
 
 def split_kv_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512,
-                          dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
+                          dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> list[KernelLaunch]:
     """The split-KV kernel as :func:`mla_decode_split_kv` specialises it on ``backend``
-    ("hip" or "cuda"), for AOT checks: once per head tile (``mla_decode_split_kv_h16`` ...)."""
+    ("hip" or "cuda") for a ``kv_dtype`` cache (default ``dtype``; an FP8 format: the FP8
+    layout), for AOT checks: once per head tile (``mla_decode_split_kv_h16`` ...)."""
     t = TRITON_DTYPES[dtype]
+    kv_dtype = kv_dtype or dtype
+    kv, fp8 = TRITON_DTYPES[kv_dtype], is_fp8_dtype(kv_dtype)
     launches = []
     for block_h in split_kv_head_tiles(backend, dtype):
-        cfg = split_kv_config(backend, block_h, dtype)
-        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, cfg.tma, interpreted=False)
-        ptrs = {"q_ptr": t, "kv_ptr": t, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
+        cfg = split_kv_config(backend, block_h, dtype, kv_dtype)
+        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, cfg.tma, kv_dtype if fp8 else None, interpreted=False)
+        ptrs = {"q_ptr": t, "kv_ptr": kv, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
                 "o_ptr": "fp32", "lse_ptr": "fp32"}  # fp32 partials
         if cfg.tma:  # the descriptors of _kv_descriptors
             w = _widths(qk_dim, value_dim)
-            typed = {"lat_desc": f"tensordesc<{t}[{cfg.block_n}, {w['BLOCK_L']}]>",
-                     "pe_desc": f"tensordesc<{t}[{cfg.block_n}, {w['BLOCK_R']}]>"}
+            typed = {"lat_desc": f"tensordesc<{kv}[{cfg.block_n}, {w['BLOCK_L']}]>",
+                     "pe_desc": f"tensordesc<{kv}[{cfg.block_n}, {w['BLOCK_R']}]>"}
         else:
             typed, c = {}, {**c, "lat_desc": None, "pe_desc": None}
-        launches.append(_kernel_launch(f"{SPLIT_KV.name}_h{block_h}", _mla_decode_split_kv_kernel, ptrs, c,
-                                       cfg.num_warps, cfg.num_stages, typed))
+        name = f"{SPLIT_KV.name}_h{block_h}" + ("_fp8" if fp8 else "")
+        launches.append(_kernel_launch(name, _mla_decode_split_kv_kernel, ptrs, c, cfg.num_warps, cfg.num_stages,
+                                       typed))
     return launches
 
 
