@@ -18,6 +18,10 @@ tokens every row that loses its last split fails MLA_O
 (test_o_tolerance_catches_a_dropped_split). A split too small to move o beyond bf16's
 resolution is left to lse.
 
+FP8 caches (k3compile/mla_cache_fp8.py): every kernel over both E4M3 formats against the
+reference on the dequantised values, at small shapes and at K3's per-rank shapes; the FP8
+cache write kernel byte for byte against the op's reference.
+
 K3's per-rank shapes (the ``test_k3_*`` tests): real widths (576 = 512 latent + 64 k_pe,
 value 512), the h200 target's 64-token cache blocks, one layer's worth of small batch and
 context, with the launch plan split_kv_config / choose_num_splits pick for an H200 and an
@@ -280,7 +284,7 @@ def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan:
     table, seq_lens, scale."""
     _, cache, table, seq_lens, scale = case(1, K3_LATENT, K3_ROPE, lens, K3_BLOCK, seed=seed, kv_dtype=kv_dtype)
     cache = poison_past_contexts(cache, table, seq_lens)
-    config = sk.split_kv_config(backend, q.shape[1], q.dtype)
+    config = sk.split_kv_config(backend, q.shape[1], q.dtype, kv_dtype)
     units = aot.TARGETS[K3_TARGETS[backend]].compute_units
     splits = sk.choose_num_splits(q.shape[0], q.shape[1], table.shape[1] * K3_BLOCK, units, config)
     descriptors = config.tma and sk._kv_descriptors(cache, K3_LATENT, config.block_n) is not None
@@ -290,9 +294,12 @@ def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan:
 
 
 # (head tile, KV tiles by tensor descriptors, splits) the launcher picks on each target
-@pytest.mark.parametrize("backend, plan", [("cuda", (16, True, 10)), ("hip", (16, False, 10))])
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
-def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, plan, kv_dtype):
+# (over an FP8 cache sm_90 gathers through pointers: split_kv_config)
+@pytest.mark.parametrize("backend, kv_dtype, plan", [
+    ("cuda", None, (16, True, 10)), ("hip", None, (16, False, 10)),
+    ("cuda", torch.float8_e4m3fn, (16, False, 10)), ("hip", torch.float8_e4m3fn, (16, False, 10))],
+    ids=["cuda-bf16-cache", "hip-bf16-cache", "cuda-fp8-cache", "hip-fp8-cache"])
+def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, kv_dtype, plan):
     """K3 at TP8: 12 heads per rank, zero-padded to 16 by k3::pad_heads (what the
     pad_attention_heads pass inserts), split-KV, the padding cut off by k3::narrow_heads:
     the 12 real heads equal the reference on 12 heads. Contexts: empty, one token, a block
@@ -526,10 +533,16 @@ def aot_requests() -> dict[int, aot.CompileRequest]:
     return {i: launch.request(target) for i, (launch, target) in enumerate(_k3_builds())}
 
 
+#: the most 32-bit words a launch over an FP8 cache may spill on sm_90: its converted tiles
+#: live in registers (observed 76, at 32 heads; the sweep's fastest launches, BENCHMARKS.md)
+FP8_SM90_SPILLS = 96
+
+
 def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
     """Every launch of _k3_builds: within LDS / shared memory, no registers spilled to
-    scratch, at least one wave; the split-KV kernel at every head tile, as many resident
-    programs per CU/SM as split_kv_config declares (choose_num_splits counts on them)."""
+    scratch (over an FP8 cache on sm_90 at most FP8_SM90_SPILLS words), at least one wave;
+    the split-KV kernel at every head tile, as many resident programs per CU/SM as
+    split_kv_config declares for its cache (choose_num_splits counts on them)."""
     builds = _k3_builds()
     assert sorted(aot_reports) == list(range(len(builds)))
     for i, (launch, target) in enumerate(builds):
@@ -538,16 +551,18 @@ def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
         assert res.fits and res.shared_bytes <= aot.TARGETS[target].shared_per_program_bytes, (launch.name, res)
         if res.registers is None:  # sm_90 without cuobjdump: nothing more to check
             continue
-        assert res.spills == 0 and res.occupancy >= 1, (launch.name, res)
+        amd, fp8 = aot.TARGETS[target].is_amd, launch.constexprs.get("KV_FP8", False)
+        assert res.spills <= (FP8_SM90_SPILLS if fp8 and not amd else 0) and res.occupancy >= 1, (launch.name, res)
         if launch.name.startswith("mla_cache_write"):
             continue
         if launch.name != "mla_decode_combine_splits":  # the matrix-unit tiles do stage through LDS
             assert res.shared_bytes > 0 and res.registers > 64
         if launch.name.startswith(sk.SPLIT_KV.name):
             block_h = launch.constexprs["BLOCK_H"]
-            config = sk.split_kv_config("hip" if aot.TARGETS[target].is_amd else "cuda", block_h)
+            kv_dtype = (torch.float8_e4m3fnuz if target == "gfx942" else torch.float8_e4m3fn) if fp8 else None
+            config = sk.split_kv_config("hip" if amd else "cuda", block_h, torch.bfloat16, kv_dtype)
             # AMD reports waves per SIMD, 4 SIMDs per CU; NVIDIA warps per SM
-            per_unit = res.occupancy * (4 if aot.TARGETS[target].is_amd else 1) // launch.num_warps
+            per_unit = res.occupancy * (4 if amd else 1) // launch.num_warps
             assert per_unit == config.programs_per_sm, (launch.name, target, per_unit, config)
 
 

@@ -68,16 +68,6 @@ MAX_SPLITS = 256
 
 
 @triton.jit
-def _fp8_codes_as_fp16(x):
-    """E4M3 codes as fp16 values: the code's sign, exponent and mantissa bits moved into an
-    fp16's (two integer operations per value, no conversion instruction). The result is
-    the code's value times 2^-8 (OCP E4M3, bias 7 against fp16's 15; 2^-7 for fnuz, bias
-    8), subnormal codes included: callers fold the power of two into the row scales."""
-    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, scale_log2, sc_lat, sc_pe,
                          P_TY: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          FP32_DOT: tl.constexpr):
@@ -87,16 +77,15 @@ def _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, scale_l
     domain) and [BLOCK_L, BLOCK_H] accumulator. The latent tile is also the value: the
     dots put the KV rows on the M side. Probabilities meet the values rounded to P_TY.
 
-    KV_FP8: the rows are FP8 codes, taken as fp16 by :func:`_fp8_codes_as_fp16` (exact),
-    against fp16 queries, P_TY fp16; sc_lat / sc_pe [BLOCK_N] are the rows' scales with
-    every power of two the caller folded in. A row's scale is a factor of its score terms
-    and of its value, so it scales the [BLOCK_N, BLOCK_H] scores and probabilities, never
-    the tiles."""
+    KV_FP8: the rows are FP8 codes, converted to P_TY (fp16 under a 16-bit model: every
+    code is an exact fp16 value) against queries of that dtype; sc_lat / sc_pe [BLOCK_N]
+    are the rows' scales. A row's scale is a factor of its score terms and of its value,
+    so it scales the [BLOCK_N, BLOCK_H] scores and probabilities, never the tiles."""
     dot_ty = tl.float32 if FP32_DOT else P_TY
     if KV_FP8:
-        lat = _fp8_codes_as_fp16(k_lat)
+        lat = k_lat.to(P_TY)
         s = tl.dot(lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION) * sc_lat[:, None]
-        s += tl.dot(_fp8_codes_as_fp16(k_pe).to(dot_ty), q_pe, input_precision=DOT_PRECISION) * sc_pe[:, None]
+        s += tl.dot(k_pe.to(P_TY).to(dot_ty), q_pe, input_precision=DOT_PRECISION) * sc_pe[:, None]
     else:
         lat = k_lat
         s = tl.dot(k_lat.to(dot_ty), q_lat, input_precision=DOT_PRECISION)
@@ -125,7 +114,7 @@ def _mla_decode_split_kv_kernel(
     block_size,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
-    USE_TMA: tl.constexpr, GATHER_N: tl.constexpr, KV_FP8: tl.constexpr, FP8_UNSCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, GATHER_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Program (head tile, KV split, sequence n): BLOCK_H heads of n against the split's
     share of n's context.
@@ -139,12 +128,11 @@ def _mla_decode_split_kv_kernel(
     registers (255 registers). On AMD the same source lowers to MFMA tiles, with fewer
     VGPRs than the heads-on-M form (AOT).
     FP32_DOT: as in _mla_attention_kernel (interpreter only).
-    KV_FP8: an FP8 cache (k3compile/mla_cache_fp8.py): codes taken as fp16 in registers
-    (:func:`_fp8_codes_as_fp16`: 2^-8 x their values, FP8_UNSCALE = 2^8 folded into each
-    row's two scales, loaded beside it; 2^7 for fnuz), q moved into fp16's range by a power
+    KV_FP8: an FP8 cache (k3compile/mla_cache_fp8.py): codes converted to fp16 in
+    registers, each row's two scales loaded beside it, q moved into fp16's range by a power
     of two that the score scale takes back; fp16 dots, fp32 accumulation (see
-    _online_softmax_tile). fp16, not the model's bf16: the codes' conversion to bf16 has
-    no packed instruction on sm_90 and made the kernel 1.5x slower (H200).
+    _online_softmax_tile). fp16, not the model's bf16: sm_90 converts E4M3 pairs to fp16
+    in one instruction, to bf16 through fp32 (1.5x slower kernel, H200).
     USE_TMA: KV tiles through tensor descriptors (``lat_desc`` [rows, L] and ``pe_desc``
     [rows, W] over the cache's rows, see :func:`_kv_descriptors`): one bulk copy per
     tile instead of a 16-byte cp.async per thread and row, so the copy engine, not the
@@ -211,8 +199,7 @@ def _mla_decode_split_kv_kernel(
                 rows = kv_ptr + (row0 + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kvt
                 sc_lat, sc_pe = _fp8_row_scales(rows, L + R, whole)
             m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, whole, m_i, l_i, acc, score_log2,
-                                                 sc_lat * FP8_UNSCALE, sc_pe * FP8_UNSCALE, p_ty, KV_FP8,
-                                                 DOT_PRECISION, FP32_DOT)
+                                                 sc_lat, sc_pe, p_ty, KV_FP8, DOT_PRECISION, FP32_DOT)
             block = block_next
     else:
         tail_start = kv_start
@@ -241,8 +228,7 @@ def _mla_decode_split_kv_kernel(
         if KV_FP8:
             sc_lat, sc_pe = _fp8_row_scales(kv_row, L + R, valid)
         m_i, l_i, acc = _online_softmax_tile(k_lat, k_pe, q_lat, q_pe, valid, m_i, l_i, acc, score_log2,
-                                             sc_lat * FP8_UNSCALE, sc_pe * FP8_UNSCALE, p_ty, KV_FP8,
-                                             DOT_PRECISION, FP32_DOT)
+                                             sc_lat, sc_pe, p_ty, KV_FP8, DOT_PRECISION, FP32_DOT)
         block = block_next
 
     # An empty range leaves l = 0, m = -inf: o = 0 and lse = -inf + log2(0) = -inf.
@@ -328,13 +314,15 @@ class SplitKVConfig:
     tma: bool = False
 
 
-#: sm_90 launches with an FP8 cache, by head tile (provisional: the bf16 launches; an H200
-#: sweep of benchmarks/mla_decode_fp8.py decides). AOT: 255 registers with spills at every
-#: 32-row tile (16 heads: 56 words), since the converted tile lives in registers.
+#: sm_90 launches with an FP8 cache, by head tile: the fastest of an H200 sweep
+#: (benchmarks/mla_decode_fp8.py --sweep, BENCHMARKS.md) at 12 heads padded to 16 and 24
+#: padded to 32, batch 1 and 16, 128K; the 64-head tile's is not timed. The converted
+#: tiles live in registers: 255 registers and some spilled (AOT), where bf16 tiles go from
+#: shared memory to the dots.
 FP8_CUDA_CONFIGS = {
-    16: SplitKVConfig(16, 32, 4, 3, 2, tma=True),
-    32: SplitKVConfig(32, 32, 4, 3, 2, tma=True),
-    64: SplitKVConfig(64, 32, 8, 3, 1, tma=True),
+    16: SplitKVConfig(16, 32, 4, 3, 2),
+    32: SplitKVConfig(32, 16, 4, 3, 2, tma=True),
+    64: SplitKVConfig(64, 16, 8, 3, 1, tma=True),
 }
 
 
@@ -390,18 +378,12 @@ def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfl
     return SplitKVConfig(block_h, 32, 4, 3, 2, tma=True)
 
 
-#: what an FP8 format's codes taken as fp16 (:func:`_fp8_codes_as_fp16`) are multiplied by
-FP8_UNSCALE = {torch.float8_e4m3fn: 2.0**8, torch.float8_e4m3fnuz: 2.0**7}
-
-
 def _split_kv_constexprs(config: SplitKVConfig, qk_dim: int, value_dim: int, dtype: torch.dtype,
-                         use_tma: bool, kv_fp8: torch.dtype | None, interpreted: bool = _INTERPRETED,
-                         ) -> dict[str, object]:
-    """``kv_fp8``: the cache's FP8 format, None for a float cache."""
+                         use_tma: bool, kv_fp8: bool, interpreted: bool = _INTERPRETED) -> dict[str, object]:
     return {**_widths(qk_dim, value_dim), "BLOCK_H": config.block_h, "BLOCK_N": config.block_n,
             **_dot_constexprs(dtype, interpreted), "USE_TMA": use_tma,
             "GATHER_N": HEAD_TILE if use_tma else config.block_n,  # 16: the smallest dot
-            "KV_FP8": kv_fp8 is not None, "FP8_UNSCALE": FP8_UNSCALE.get(kv_fp8, 1.0)}
+            "KV_FP8": kv_fp8}
 
 
 def _kv_descriptors(kv_cache: Tensor, value_dim: int, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
@@ -524,8 +506,7 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         *o_strides, *lse_strides,
         kv_cache.shape[1],
-        **_split_kv_constexprs(cfg, W, value_dim, q.dtype, descriptors is not None,
-                               kv_cache.dtype if is_fp8_cache(kv_cache) else None),
+        **_split_kv_constexprs(cfg, W, value_dim, q.dtype, descriptors is not None, is_fp8_cache(kv_cache)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -552,7 +533,7 @@ def split_kv_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512,
     launches = []
     for block_h in split_kv_head_tiles(backend, dtype):
         cfg = split_kv_config(backend, block_h, dtype, kv_dtype)
-        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, cfg.tma, kv_dtype if fp8 else None, interpreted=False)
+        c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, cfg.tma, fp8, interpreted=False)
         ptrs = {"q_ptr": t, "kv_ptr": kv, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
                 "o_ptr": "fp32", "lse_ptr": "fp32"}  # fp32 partials
         if cfg.tma:  # the descriptors of _kv_descriptors
