@@ -24,6 +24,7 @@ from k3compile.mla_cache_fp8 import SCALE_BYTES, cache_value_width, is_fp8_cache
 from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
+from k3compile.runtime.kernels.mla_common import check_fp8_cache_device
 
 
 @counted
@@ -56,6 +57,7 @@ def mla_cache_write(kv_cache: Tensor, kv: Tensor, slot_mapping: Tensor, latent_d
     copy for a float one. kv [T, W]; slot_mapping [T] flat slots (block * block_size + offset)."""
     if not is_fp8_cache(kv_cache):
         return mla_ops.mla_cache_write_reference(kv_cache, kv, slot_mapping, latent_dim)
+    check_fp8_cache_device("mla_cache_write", kv_cache)
     W = cache_value_width(kv_cache)
     T = kv.shape[0]
     if kv.dim() != 2 or kv.shape[1] != W or slot_mapping.shape != (T,):

@@ -144,6 +144,7 @@ def _check_inputs(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, block_table: T
                          f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
     if q.shape[-1] != cache_value_width(kv_cache):
         raise ValueError(f"{kernel.name}: q width {q.shape[-1]} != cache width {cache_value_width(kv_cache)}")
+    check_fp8_cache_device(kernel.name, kv_cache)
     if q.dtype != kv_cache.dtype and not is_fp8_cache(kv_cache):
         raise ValueError(f"{kernel.name}: q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must have one dtype "
                          "(or the cache an FP8 one)")
@@ -158,6 +159,14 @@ def _check_inputs(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, block_table: T
                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"{kernel.name}: kv_cache rows must be contiguous (the cache is never copied)")
+
+
+def check_fp8_cache_device(name: str, kv_cache: Tensor) -> None:
+    """An fnuz FP8 cache (the mi300x target's) on an NVIDIA GPU is a ValueError: only AMD
+    GPUs (and the interpreter) convert that format."""
+    if kv_cache.dtype == torch.float8_e4m3fnuz and kv_cache.is_cuda and not torch.version.hip:
+        raise ValueError(f"{name}: a float8_e4m3fnuz MLA cache (the mi300x target's) runs on AMD GPUs only; "
+                         "compile the model for this GPU's target")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
