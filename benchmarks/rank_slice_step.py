@@ -2,7 +2,7 @@
 through the runtime under CUDA graphs, against the step's HBM floor.
 
     python benchmarks/rank_slice_step.py --out DIR [--layers 4] [--batches 1,16,64]
-        [--contexts 1024,32768] [--dense-baseline]
+        [--contexts 1024,32768] [--kv-cache-dtype fp8] [--dense-baseline]
 
 Steps: write the slice (MXFP4 experts), compile it for ``h200`` in bf16, load it with
 caches for the largest batch and context, fill the caches with random values, then for
@@ -35,15 +35,23 @@ from k3compile.batch import KDALayerCache, MLALayerCache
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import PRESETS, with_layers
+from k3compile.mla_cache_fp8 import is_fp8_cache, quantize_rows
 
 GB = 1e9
 
 
 def fill_caches(rt: runtime.Runtime, gen: torch.Generator) -> None:
-    """Random history: MLA latents O(1), KDA states small (as after a long prompt)."""
+    """Random history: MLA latents O(1) (quantised rows in an FP8 cache), KDA states small
+    (as after a long prompt)."""
     for c in rt.caches:
         tensors = (c.conv_q, c.conv_k, c.conv_v, c.state) if isinstance(c, KDALayerCache) else (c.kv,)
         for t in tensors:
+            if is_fp8_cache(t):
+                for part in t.split(1024):  # the fp32 values of the whole cache may not fit
+                    rows = part.shape[0] * part.shape[1]
+                    values = torch.randn(rows, rt.cfg.mla_cache_width, generator=gen, device=t.device)
+                    part.copy_(quantize_rows(values, rt.cfg.kv_lora_rank, t.dtype).view(part.shape))
+                continue
             scale = 0.05 if t is getattr(c, "state", None) else 1.0
             t.copy_(torch.randn(t.shape, generator=gen, device=t.device) * scale)
 
@@ -132,6 +140,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--contexts", default="1024,32768")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the MLA cache: auto (bf16) or fp8")
     parser.add_argument("--dense-baseline", action="store_true")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -143,7 +152,8 @@ def main() -> None:
     model_dir = generate_model_dir(cfg, args.out / "slice", GenerateOptions(seed=0))
     result["generate_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
-    artifact = optimize(model_dir, args.out / "slice.k3c", CompileOptions(dtype="bfloat16", target="h200")).out_dir
+    options = CompileOptions(dtype="bfloat16", target="h200", kv_cache_dtype=args.kv_cache_dtype)
+    artifact = optimize(model_dir, args.out / "slice.k3c", options).out_dir
     result["compile_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)
 
