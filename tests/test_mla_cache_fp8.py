@@ -210,6 +210,14 @@ def test_runtime_refuses_another_cache_dtype(compile_once):
         runtime.load(fp8.out_dir, rank=0, world_size=1, options=options)
     with pytest.raises(ValueError, match="unknown choice 'fp4'"):
         runtime.RuntimeOptions(kv_cache_dtype="fp4")
+    from typer.testing import CliRunner
+
+    from k3compile.cli import app
+
+    refused = CliRunner().invoke(app, ["run", str(fp8.out_dir), "--prompt", "1 2", "--kv-cache-dtype", "bf16"])
+    assert refused.exit_code == 2 and "bf16 needs the bfloat16 model dtype" in refused.stderr, refused.output
+    refused = CliRunner().invoke(app, ["run", str(fp8.out_dir), "--prompt", "1 2", "--kv-cache-dtype", "auto"])
+    assert refused.exit_code == 2 and "compiled for a float8_e4m3fn cache" in refused.stderr, refused.output
 
 
 @pytest.mark.slow
