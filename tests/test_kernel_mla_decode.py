@@ -363,6 +363,17 @@ def test_split_kv_fp8_cache_matches_the_reference(fmt, H):
     check(got, reference(q, cache, table, seq_lens, scale, 64))
 
 
+def test_split_kv_fp8_cache_takes_queries_beyond_fp16s_range():
+    """Over an FP8 cache the products run in fp16 (the codes are exact there): queries up to
+    ~10^6, far past fp16's 65504, are moved into its range by a power of two that the
+    scores get back; without it they would be inf."""
+    q, cache, table, seq_lens, scale = case(16, 64, 8, [5, 40], block_size=16, seed=2, kv_dtype=torch.float8_e4m3fn)
+    q = (q.float() * 3e5).bfloat16()
+    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=2)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    check(got, reference(q, cache, table, seq_lens, scale, 64))
+
+
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_split_kv_fp8_cache_by_tensor_descriptors(block_size):
     """FP8 rows by tensor descriptors: the k_pe descriptor ends at the values (the scale
