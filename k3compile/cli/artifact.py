@@ -76,6 +76,8 @@ def _layer_nodes(out: Path, phases: list[str], layer: int) -> dict[str, Any]:
 
 def _print_diff_howto(info: Any, selected: list[Any], layer: int | None) -> None:
     """The manifest stores no graph diffs: show the Python that recompiles and prints one."""
+    from k3compile.mla_cache_fp8 import is_fp8_dtype
+
     first = next((s for s in selected if isinstance(s, dict)), {})
     example_pass = first.get("pass", "remove_noops")
     example_phase = first.get("phase", "decode")
@@ -91,7 +93,7 @@ def _print_diff_howto(info: Any, selected: list[Any], layer: int | None) -> None
         "  from k3compile.compiler import CompileOptions, optimize\n"
         f"  result = optimize({info.model_dir!r}, tempfile.mkdtemp(), CompileOptions(tp={info.tp}, "
         f"dcp={info.dcp}, dcp_interleave={info.dcp_interleave}, target={info.target!r}, "
-        f"dtype={dtype_name(info.dtype)!r}, kv_cache_dtype={'fp8' if info.kv_cache_dtype.itemsize == 1 else 'auto'!r}, "
+        f"dtype={dtype_name(info.dtype)!r}, kv_cache_dtype={'fp8' if is_fp8_dtype(info.kv_cache_dtype) else 'auto'!r}, "
         f"block_size={info.block_size}), overwrite=True)\n"
         f"  rec = next(r for r in result.pipeline.records if r.pass_name == {example_pass!r} "
         f"and r.phase == {example_phase!r})\n"
@@ -104,6 +106,7 @@ def _print_diff_howto(info: Any, selected: list[Any], layer: int | None) -> None
 
 def _artifact_table(out: Path, info: Any) -> Table:
     """Versions, model, parallelism, target, dtype and capture statistics, one per row."""
+    from k3compile.mla_cache_fp8 import is_fp8_dtype
     from k3compile.model import count_parameters
     from k3compile.targets import TARGETS
 
@@ -134,7 +137,7 @@ def _artifact_table(out: Path, info: Any) -> Table:
     table.add_row("target", escape(info.target) + where)
     table.add_row("dtype", dtype_name(info.dtype))
     kv = dtype_name(info.kv_cache_dtype)
-    table.add_row("MLA cache", f"{kv} values + per-token scales" if info.kv_cache_dtype.itemsize == 1 else kv)
+    table.add_row("MLA cache", f"{kv} values + per-token scales" if is_fp8_dtype(info.kv_cache_dtype) else kv)
     table.add_row("block size", f"{info.block_size} tokens per MLA cache block")
     table.add_row("phases", ", ".join(info.phases))
     table.add_row("capture", escape(capture_text(info.capture_stats)))

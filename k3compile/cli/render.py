@@ -302,8 +302,10 @@ def plan_table(result: Any) -> Group:
         table.add_column("saved", justify="right")
     kinds = {k: [e.weights[k] for _, e in stages] for k in stages[0][1].weights if any(e.weights[k] for _, e in stages)}
     n_mla = cfg.layer_kinds.count("mla")
+    from k3compile.mla_cache_fp8 import is_fp8_dtype
+
     kv = dtype_name(o.mla_cache_dtype)
-    kv = f"{kv} + scales" if o.mla_cache_dtype.itemsize == 1 else kv
+    kv = f"{kv} + scales" if is_fp8_dtype(o.mla_cache_dtype) else kv
     rows = list(kinds.items()) + [
         ("weights", [e.weight_total for _, e in stages]),
         (f"MLA latent KV ({n_mla} layers, {kv})", [e.mla_kv for _, e in stages]),
