@@ -55,9 +55,9 @@ ROWS = Selection("tests/test_kernel_rows.py", "test_rms_norm or test_splitk_kern
 ROUTING = Selection("tests/test_kernel_moe.py", "test_route or test_routing_feeds")
 EXPERTS = Selection("tests/test_kernel_moe.py", "pair_major or grouped_matches or split_k_w13 or fp32_and_fp16")
 DCP = Selection("tests/test_context_parallel.py", "triton_kernel")
-SPLIT_KV_FP8 = Selection("tests/test_kernel_mla_decode.py", "split_kv_fp8 or (k3_split_kv and fp8)")
-ATTENTION_FP8 = Selection("tests/test_kernel_mla_decode.py", "generic_and_prefill_fp8 or (k3_generic and fp8)")
-CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_decode.py", "fp8_cache_write_kernel")
+SPLIT_KV_FP8 = Selection("tests/test_kernel_mla_fp8.py", "split_kv_fp8")
+ATTENTION_FP8 = Selection("tests/test_kernel_mla_fp8.py", "generic_and_prefill_fp8")
+CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_kernel")
 
 
 @dataclass(frozen=True)

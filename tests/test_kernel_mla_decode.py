@@ -18,9 +18,9 @@ tokens every row that loses its last split fails MLA_O
 (test_o_tolerance_catches_a_dropped_split). A split too small to move o beyond bf16's
 resolution is left to lse.
 
-FP8 caches (k3compile/mla_cache_fp8.py): every kernel over both E4M3 formats against the
-reference on the dequantised values, at small shapes and at K3's per-rank shapes; the FP8
-cache write kernel byte for byte against the op's reference.
+FP8 caches (k3compile/mla_cache_fp8.py): here at K3's per-rank shapes; the small-shape
+FP8 tests and the FP8 cache write kernel are in tests/test_kernel_mla_fp8.py. The cases
+both files build (paged caches, the reference, the check) are in tests/mla_cases.py.
 
 K3's per-rank shapes (the ``test_k3_*`` tests): real widths (576 = 512 latent + 64 k_pe,
 value 512), the h200 target's 64-token cache blocks, one layer's worth of small batch and
@@ -35,10 +35,10 @@ import dataclasses
 import pytest
 import torch
 from fast_interpreter import fast_interpreter
+from mla_cases import DEVICE, case, check, poison_past_contexts, reference, without_poison
 from tolerances import MLA_LSE, MLA_O, assert_close_scaled, reference_scale, unit_roundoff
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
-from k3compile.mla_cache_fp8 import is_fp8_cache, quantize_rows
 from k3compile.runtime.kernels import aot
 from k3compile.runtime.kernels import mla_attention as ak
 from k3compile.runtime.kernels import mla_cache_write as cw
@@ -47,65 +47,12 @@ from k3compile.runtime.kernels import mla_decode as mk
 from k3compile.runtime.kernels import mla_split_kv as sk
 
 
-DEVICE = "cuda" if torch.cuda.is_available() and not mc._INTERPRETED else "cpu"
-
-
 # The interpreter evaluates the masked-out branches of tl.where too (0/0 for an empty
 # context's o, log2(0) for its lse): numpy warns, the kernels select the right value.
 pytestmark = [
     pytest.mark.usefixtures("faster_interpreter", "interpreter_rounds_like_gpus"),
     pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
 ]
-
-
-def paged(lens: list[int], W: int, block_size: int, dtype: torch.dtype, gen: torch.Generator):
-    """A cache whose blocks are handed out in a random order, garbage (large values) in
-    every slot no sequence owns, and a block table whose unused entries point at garbage."""
-    need = [-(-n // block_size) for n in lens]
-    width = max(max(need), 1)
-    num_blocks = sum(need) + 3
-    cache = torch.randn(num_blocks, block_size, W, generator=gen) * 100
-    order = torch.randperm(num_blocks, generator=gen)
-    table = torch.randint(0, num_blocks, (len(lens), width), generator=gen, dtype=torch.int32)
-    taken = 0
-    for i, (n, k) in enumerate(zip(lens, need, strict=True)):
-        blocks = order[taken:taken + k]
-        taken += k
-        table[i, :k] = blocks.int()
-        ctx = torch.randn(n, W, generator=gen)
-        flat = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        cache.view(-1, W)[flat] = ctx
-    return cache.to(dtype).to(DEVICE), table.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-
-
-def reference(q, cache, table, seq_lens, scale, value_dim):
-    """The op's torch reference in fp32 on the same values (an FP8 cache: its dequantised values)."""
-    cache = cache.cpu() if is_fp8_cache(cache) else cache.float().cpu()
-    return torch.ops.k3.mla_decode(q.float().cpu(), cache, table.cpu(), seq_lens.cpu(), scale, value_dim)
-
-
-def to_fp8(cache: torch.Tensor, latent: int, fmt: torch.dtype) -> torch.Tensor:
-    """A float cache's rows (garbage ones too) quantised into the FP8 layout of ``fmt``."""
-    nb, bs, W = cache.shape
-    return quantize_rows(cache.float().cpu().view(-1, W), latent, fmt).view(nb, bs, -1).to(cache.device)
-
-
-def check(got, want, dtype: torch.dtype = torch.bfloat16) -> None:
-    """o per (token, head) row and lse against the reference, with MLA_O and MLA_LSE."""
-    o, lse = got
-    assert_close_scaled(o, want[0], dtype, roundings=MLA_O(dtype), dims=-1, what="o")
-    assert_close_scaled(lse, want[1], torch.float32, roundings=MLA_LSE, what="lse")
-
-
-def case(H: int, L: int, R: int, lens: list[int], block_size: int, dtype=torch.bfloat16, seed: int = 0,
-         kv_dtype: torch.dtype | None = None):
-    """q and a paged cache (of ``kv_dtype``, default ``dtype``; an FP8 format: the FP8 layout)."""
-    gen = torch.Generator().manual_seed(seed)
-    cache, table, seq_lens = paged(lens, L + R, block_size, dtype, gen)
-    if kv_dtype is not None and kv_dtype != dtype:
-        cache = to_fp8(cache, L, kv_dtype)
-    q = torch.randn(len(lens), H, L + R, generator=gen).to(dtype).to(DEVICE)
-    return q, cache, table, seq_lens, (L + R) ** -0.5
 
 
 def test_interpreter_poisons_outputs():
@@ -170,30 +117,6 @@ def test_split_kv_head_tiles(guarded, H, block_h):
     got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=8, config=config)
     guarded()
     check(got, reference(q, cache, table, seq_lens, scale, 64))
-
-
-def poison_past_contexts(cache: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """NaN in every cache row no context covers (what unwritten cache memory may hold; in
-    an FP8 cache every byte 0xFF: NaN codes and NaN scales)."""
-    owned = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
-    bs = cache.shape[1]
-    for n, ctx in enumerate(seq_lens.tolist()):
-        pos = torch.arange(ctx)
-        owned[table[n].cpu().long()[pos // bs] * bs + pos % bs] = True
-    poisoned = cache.clone()
-    rows = poisoned.view(torch.uint8) if is_fp8_cache(cache) else poisoned
-    rows.view(-1, cache.shape[-1])[~owned.to(cache.device)] = 0xFF if is_fp8_cache(cache) else float("nan")
-    return poisoned
-
-
-def without_poison(cache: torch.Tensor) -> torch.Tensor:
-    """``poison_past_contexts``' cache with 0 for its NaN rows (the reference's input)."""
-    if not is_fp8_cache(cache):
-        return cache.nan_to_num(0.0)
-    clean = cache.clone()
-    raw = clean.view(torch.uint8).view(-1, cache.shape[-1])
-    raw[(raw == 0xFF).all(-1)] = 0
-    return clean
 
 
 @pytest.mark.parametrize("H, block_n, block_size", [(16, 32, 32), (16, 32, 64), (32, 16, 64)])
@@ -343,64 +266,6 @@ def test_k3_generic_decode_and_prefill_twelve_heads(fast, kv_dtype):
     pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx, new, strict=True)])
     check(ak.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, K3_LATENT),
           reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, K3_LATENT))
-
-
-#: both FP8 cache formats; fnuz compiles only for AMD GPUs (and runs under the interpreter)
-FP8_FORMATS = [torch.float8_e4m3fn, pytest.param(torch.float8_e4m3fnuz, marks=pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.version.hip, reason="float8_e4m3fnuz is a gfx942 format"))]
-
-
-@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=str)
-@pytest.mark.parametrize("H", [16, 48])
-def test_split_kv_fp8_cache_matches_the_reference(fmt, H):
-    """FP8 caches of both formats (k3compile/mla_cache_fp8.py) with bf16 queries: the
-    reference attends to the dequantised values; the kernel's only extra rounding is each
-    row's scale times its score (fp32), so MLA_O and MLA_LSE hold as for a bf16 cache."""
-    q, cache, table, seq_lens, scale = case(H, 64, 8, [0, 1, 37, 70], block_size=16, seed=H, kv_dtype=fmt)
-    assert cache.dtype == fmt and cache.shape[-1] == 72 + 16
-    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=3, num_sms=4)
-    assert (got[0][0] == 0).all() and torch.isneginf(got[1][0]).all()
-    check(got, reference(q, cache, table, seq_lens, scale, 64))
-
-
-def test_split_kv_fp8_cache_takes_queries_beyond_fp16s_range():
-    """Over an FP8 cache the products run in fp16 (the codes are exact there): queries up to
-    ~10^6, far past fp16's 65504, are moved into its range by a power of two that the
-    scores get back; without it they would be inf."""
-    q, cache, table, seq_lens, scale = case(16, 64, 8, [5, 40], block_size=16, seed=2, kv_dtype=torch.float8_e4m3fn)
-    q = (q.float() * 3e5).bfloat16()
-    got = sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=2)
-    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
-    check(got, reference(q, cache, table, seq_lens, scale, 64))
-
-
-@pytest.mark.parametrize("block_size", [32, 64])
-def test_split_kv_fp8_cache_by_tensor_descriptors(block_size):
-    """FP8 rows by tensor descriptors: the k_pe descriptor ends at the values (the scale
-    bytes after them read as 0 in the padded tile), the scales come by pointer; NaN bytes
-    in every row past the contexts stay out. 64 + 16 values: 96-byte rows (TMA needs
-    16-byte aligned rows; the tiny presets' 40 + 16 bytes take the pointer gathers)."""
-    q, cache, table, seq_lens, scale = case(16, 64, 16, [0, 1, 31, 33, 100], block_size, seed=block_size,
-                                            kv_dtype=torch.float8_e4m3fn)
-    cache = poison_past_contexts(cache, table, seq_lens)
-    tma = sk.SplitKVConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=1, tma=True)
-    assert sk._kv_descriptors(cache, 64, 32) is not None
-    check(sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 64, num_splits=3, config=tma),
-          reference(q, without_poison(cache), table, seq_lens, scale, 64))
-
-
-@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=str)
-def test_generic_and_prefill_fp8_cache(fmt):
-    q, cache, table, seq_lens, scale = case(3, 64, 8, [0, 1, 29], block_size=8, seed=3, kv_dtype=fmt)
-    check(ak.mla_decode_generic(q, cache, table, seq_lens, scale, 64), reference(q, cache, table, seq_lens, scale, 64))
-    new = [5, 29]
-    _, cache, table, seq_lens, scale = case(3, 64, 8, [20, 29], block_size=8, seed=4, kv_dtype=fmt)
-    q = torch.randn(sum(new), 3, 72, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEVICE)
-    cu = torch.tensor([0, 5, 34], dtype=torch.int32, device=DEVICE)
-    seq = torch.repeat_interleave(torch.arange(2), torch.tensor(new))
-    pos = torch.cat([torch.arange(15, 20), torch.arange(0, 29)])
-    check(ak.mla_prefill_absorbed(q, cache, cu, table, seq_lens, scale, 64),
-          reference(q, cache, table.cpu()[seq], (pos + 1).int(), scale, 64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -575,27 +440,3 @@ def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
             # AMD reports waves per SIMD, 4 SIMDs per CU; NVIDIA warps per SM
             per_unit = res.occupancy * (4 if amd else 1) // launch.num_warps
             assert per_unit == config.programs_per_sm, (launch.name, target, per_unit, config)
-
-
-@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_cache_write_kernel_matches_the_reference_bit_for_bit(fmt, dtype):
-    """The one-launch FP8 cache write (k3::mla_cache_write's kernel) writes the rows the
-    op's reference writes, byte for byte: codes, both scales, the zero padding; only its
-    slots; an all-zero latent and values far below their row's largest (subnormal codes)
-    included. K3 widths (512 latent + 64 k_pe)."""
-    gen = torch.Generator().manual_seed(8)
-    kv = torch.randn(7, 576, generator=gen)
-    kv[:, 512:] *= 40
-    kv[2, :512] = 0
-    kv[4, :8] *= 1e-4
-    kv = kv.to(dtype).to(DEVICE)
-    slots = torch.tensor([3, 17, 8, 0, 30, 12, 21], device=DEVICE)
-    want = torch.full((4, 8, 592), 0x5A, dtype=torch.uint8).view(fmt).to(DEVICE)  # bytes the write must keep
-    got = want.clone()
-    from k3compile.ops.mla import mla_cache_write_reference
-    from k3compile.runtime.kernels.mla_cache_write import mla_cache_write
-
-    mla_cache_write_reference(want, kv, slots, 512)
-    mla_cache_write(got, kv, slots, 512)
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
