@@ -2,6 +2,7 @@
 
     python benchmarks/mla_decode_fp8.py --out /tmp/mla_fp8            # the table
     python benchmarks/mla_decode_fp8.py --out /tmp/mla_fp8 --sweep    # + FP8 launch variants
+    python benchmarks/mla_decode_fp8.py --out /tmp/mla_fp8 --l2-resident --batches 4,16 --contexts 1024,4096
 
 What it measures, in one run on one GPU:
 
@@ -19,6 +20,8 @@ What it measures, in one run on one GPU:
    enough cache copies that every call reads its KV from HBM (benchmarks/mla_decode.py).
    Per row: us per call, the cache bytes read over that time as a fraction of the copy
    bandwidth (the floor: bytes / copy bandwidth), and bf16 time / FP8 time.
+   ``--l2-resident`` keeps one copy, so that a cache smaller than L2 is read from there:
+   what the kernels cost when bytes are not the limit (their compute ceiling).
 
 Output: a markdown table on stdout and ``mla_decode_fp8.json`` in ``--out``.
 """
@@ -121,7 +124,7 @@ def bench_shape(heads: int, batch: int, context: int, configs: list[sk.SplitKVCo
     rows = []
     for kind, launches in (("bf16", [sk.split_kv_config(BACKEND, padded(heads))]), ("fp8", configs)):
         kv_bytes = batch * context * ROW_BYTES[kind]
-        copies = cache_copies(kv_bytes, l2_bytes)
+        copies = 1 if args.l2_resident else cache_copies(kv_bytes, l2_bytes)
         caches = []
         for _ in range(copies):
             c = torch.randn(num_blocks, args.block_size, WIDTH, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -164,6 +167,8 @@ def main() -> None:
     parser.add_argument("--copy-mib", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="also time the FP8 launch variants of --fp8-tiles")
     parser.add_argument("--fp8-tiles", default=FP8_TILES)
+    parser.add_argument("--l2-resident", action="store_true",
+                        help="one cache copy, so that a cache smaller than L2 stays there: the kernels' compute ceiling")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
