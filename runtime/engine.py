@@ -212,15 +212,19 @@ class Runtime:
         self.graphs = _DecodeGraphs(self) if use_graphs else None
 
     # ----- requests -----------------------------------------------------------
-    def _run(self, phase: str, ids: Tensor, batch: Batch) -> Tensor:
-        return self.modules[phase](
+    def _run(self, phase: str, ids: Tensor, batch: Batch, module: Callable[..., Tensor] | None = None) -> Tensor:
+        return (module or self.modules[phase])(
             ids, batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
             batch.slot_mapping, batch.logit_indices, self.cache_tensors,
         )
 
     @torch.no_grad()
-    def step(self, seq_ids: list[int], tokens: list[list[int]]) -> Tensor:
-        """New tokens of existing sequences; fp32 logits of each sequence's last token [N, V]."""
+    def step(self, seq_ids: list[int], tokens: list[list[int]], module: Callable[..., Tensor] | None = None) -> Tensor:
+        """New tokens of existing sequences; fp32 logits of each sequence's last token [N, V].
+
+        ``module``: run the step's program through this callable (the program module's
+        arguments; e.g. an ``fx.Interpreter`` that annotates nodes for a profiler), eagerly,
+        instead of the program or its CUDA graph."""
         self.table.check_step(seq_ids, tokens)
         counts = [len(t) for t in tokens]
         for s, n in zip(seq_ids, counts):
@@ -233,12 +237,12 @@ class Runtime:
                 )
         self.table.reserve(seq_ids, counts)
         decode = all(n == 1 for n in counts)
-        if decode and self.graphs is not None and len(seq_ids) <= self.graphs.max_batch:
+        if decode and module is None and self.graphs is not None and len(seq_ids) <= self.graphs.max_batch:
             logits = self.graphs.run(seq_ids, [t[0] for t in tokens])
         else:
             batch = self.table.make_batch(seq_ids, counts, decode, device=self.device)
             ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=self.device)
-            logits = self._run("decode" if decode else "prefill", ids, batch)
+            logits = self._run("decode" if decode else "prefill", ids, batch, module)
         self.table.advance(seq_ids, counts)
         return logits
 

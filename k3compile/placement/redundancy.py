@@ -4,10 +4,8 @@ A node whose tensor inputs are all Replicate computes the same thing on every ra
 cost is paid ``tp`` times for one result. :func:`redundant_work` (after
 :func:`~k3compile.placement.propagate_placements`) gives, per rank, the FLOPs and bytes
 of those nodes (and of all nodes, for scale), grouped by layer type (kda / mla / moe /
-dense_mlp / attn_res / embedding / head / other, read from ``nn_module_stack``: the
-pre-norms count with the sub-layer they feed, the residual adds of a decoder layer with
-attn_res, the final norm and the ``logit_indices`` gather with head), with per-op
-detail. Passes use it (dedup). Cost model, per rank:
+dense_mlp / attn_res / embedding / head / other: :mod:`k3compile.placement.groups`), with
+per-op detail. Passes use it (dedup). Cost model, per rank:
 
 - contractions: 2 x the product of all index sizes (``linear``: 2*M*N*K, + bias numel).
 - pointwise ops: 1 FLOP per output element (transcendentals count 1); reductions: 1 per
@@ -30,8 +28,6 @@ Symbolic sizes are evaluated at the concrete ``sizes`` given by name
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +37,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from k3compile.placement.aten_rules import ATEN_RULES, _contraction
+from k3compile.placement.groups import GROUPS, node_groups
 from k3compile.placement.nodes import (
     R,
     PlacementError,
@@ -56,57 +53,6 @@ from k3compile.placement.rules import CostCall, op_rule
 from k3compile.placement.sizes import MissingSizes, SizeEvaluator
 
 __all__ = ["GROUPS", "OpWork", "RedundancyReport", "redundant_work"]
-
-GROUPS = ("kda", "mla", "moe", "dense_mlp", "attn_res", "embedding", "head", "other")
-
-#: Module classes (by class name) whose nodes form a group.
-_MODULE_GROUPS = {
-    "KDAAttention": "kda",
-    "MLAAttention": "mla",
-    "LatentMoE": "moe",
-    "DenseMLP": "dense_mlp",
-    "AttnResMix": "attn_res",
-    "VocabParallelEmbedding": "embedding",
-    "ParallelLMHead": "head",
-}
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def _stack(node: Node) -> list[tuple[str, str]]:
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for v in stack.values():
-        path, cls = v[0], v[1]
-        cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
-        out.append((path, cls.rsplit(".", 1)[-1]))
-    return out
-
-
-def _layer_of(path: str) -> int | None:
-    m = _LAYER_RE.search(path)
-    return int(m.group(1)) if m else None
-
-
-def _classify(node: Node, sublayer: Mapping[tuple[int, str], str]) -> tuple[str, int | None, str]:
-    """(group, layer, module path) of a node."""
-    stack = _stack(node)
-    if not stack:
-        return "other", None, ""
-    inner = stack[-1][0]
-    layer = _layer_of(inner)
-    for path, cls in reversed(stack):
-        if cls in _MODULE_GROUPS:
-            return _MODULE_GROUPS[cls], layer, inner
-    if layer is not None:
-        if inner.endswith(".input_layernorm"):
-            return sublayer.get((layer, "attn"), "other"), layer, inner
-        if inner.endswith(".post_attention_layernorm"):
-            return sublayer.get((layer, "mlp"), "other"), layer, inner
-        if stack[-1][1] == "K3DecoderLayer":
-            return "attn_res", layer, inner  # the residual (partial-sum) adds
-    if inner.endswith("model.norm") or stack[-1][1] == "K3ForCausalLM":
-        return "head", None, inner
-    return "other", layer, inner
 
 
 @dataclass(frozen=True)
@@ -250,14 +196,7 @@ def redundant_work(gm: GraphModule, program: ExportedProgram, sizes: dict[str, i
     missing = [n.name for n in nodes if "placement" not in n.meta]
     if missing:
         raise PlacementError(f"nodes without a placement ({missing[:3]} ...): run propagate_placements first")
-    # Which attention / MLP kind each layer has, for its pre-norms.
-    sublayer: dict[tuple[int, str], str] = {}
-    for n in nodes:
-        g, layer, _ = _classify(n, {})
-        if layer is not None and g in ("kda", "mla"):
-            sublayer[(layer, "attn")] = g
-        elif layer is not None and g in ("moe", "dense_mlp"):
-            sublayer[(layer, "mlp")] = g
+    groups = node_groups(nodes)
     ops: list[OpWork] = []
     total_flops = total_bytes = 0
     needed: dict[sympy.Symbol, str] = {}
@@ -274,7 +213,7 @@ def redundant_work(gm: GraphModule, program: ExportedProgram, sizes: dict[str, i
             continue
         ins = _flat(_placement(a) for a in list(n.args) + list(n.kwargs.values()))
         if all(p == R for p in ins):
-            group, layer, module = _classify(n, sublayer)
+            group, layer, module = groups[n]
             ops.append(OpWork(n.name, _op_name(n), group, layer, module, flops, nbytes))
     if needed:
         desc = "; ".join(f"{ev.describe(sym)}, needed by {node}" for sym, node in needed.items())
