@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from k3compile.bench import copy_bandwidth  # noqa: F401  (the benchmarks' copy bandwidth: the runtime bench's)
+
 #: GPU clock cycles the stream spins before each timed replay (about 0.5 ms on an H200):
 #: long enough for the host to queue the replay behind it
 LAUNCH_COVER_CYCLES = 1_000_000
@@ -51,23 +53,3 @@ def graph_time(fns: list[Callable[[], object]], repeats: int) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3 / len(fns))
     return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read and written.
-
-    Timed eagerly with events, not in a CUDA graph: a copy captured in a graph becomes a
-    memcpy node, which ran at 2.75 TB/s on an H200 against 4.2 TB/s for the same copy
-    launched eagerly; the higher figure is the bandwidth kernels can reach."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        dst.copy_(src)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return 2 * nbytes / statistics.median(times)

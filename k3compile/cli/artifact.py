@@ -7,7 +7,8 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from dataclasses import dataclass
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.markup import escape
@@ -232,6 +233,110 @@ def inspect_command(
         _print_diff_howto(info, selected, layer)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: alone, or as one rank of ``torchrun``."""
+
+    distributed: bool
+    rank: int
+    world_env: str | None  # WORLD_SIZE as torchrun set it
+
+    @classmethod
+    def from_env(cls) -> Launch:
+        world = os.environ.get("WORLD_SIZE")
+        return cls(world is not None, int(os.environ.get("RANK", "0")) if world is not None else 0, world)
+
+    @property
+    def world(self) -> int:
+        return int(self.world_env) if self.world_env is not None else 1
+
+    def check(self) -> None:
+        if self.world_env is not None and not self.world_env.isdigit():
+            raise UserError(f"WORLD_SIZE={self.world_env!r} is not an integer")
+
+    def fail(self, error: Exception) -> NoReturn:
+        """Leave the process group; rank 0 reports ``error`` as one line; exit status 2."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.rank == 0:
+            fail(str(error))
+        raise typer.Exit(USAGE_ERROR)
+
+
+def runtime_errors() -> tuple[type[Exception], ...]:
+    """What loading and running an artifact raise for a problem the user can fix."""
+    from k3compile.artifact import ArtifactError
+    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.sequences import RequestError
+
+    return UserError, ArtifactError, CheckpointError, ConfigError, RequestError
+
+
+def check_runtime_choices(device: str | None, kernels: str) -> None:
+    """--device and --kernels, before anything loads; --kernels triton on the CPU selects
+    Triton's interpreter (it must be chosen before triton is first imported)."""
+    from k3compile.runtime.engine import KERNELS, resolve_device
+
+    if device is not None:
+        try:
+            resolve_device(device)
+        except ValueError as e:
+            raise UserError(f"--device: {e}") from None
+    choice(kernels, KERNELS, "--kernels", "choice")
+    if kernels == "triton" and resolve_device(device).type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def read_runtime_artifact(out: Path, launch: Launch, kv_cache_dtype: str | None, command: str) -> Any:
+    """The artifact's info, checked against the launch (its TP size) and --kv-cache-dtype."""
+    from k3compile.batch import check_kv_cache_dtype
+    from k3compile.targets import get_target
+
+    info = read_info(out, check_checkpoint=False)
+    if kv_cache_dtype is not None:
+        check_kv_cache_choice(kv_cache_dtype)
+        try:
+            check_kv_cache_dtype(kv_cache_dtype, info.kv_cache_dtype, info.dtype, get_target(info.target))
+        except ValueError as e:
+            raise UserError(f"{out}: {e}") from None
+    run_with = f"'torchrun --nproc-per-node {info.tp} -m k3compile {command} {out}'"
+    if not launch.distributed and info.tp > 1:
+        raise UserError(f"{out} was compiled for tp={info.tp}: start it on {info.tp} processes with {run_with}")
+    if launch.distributed and launch.world != info.tp:
+        raise UserError(f"{out} was compiled for tp={info.tp} but torchrun started {launch.world} process(es); "
+                        f"use {run_with}")
+    return info
+
+
+def load_runtime(out: Path, options: Any, launch: Launch) -> tuple[Any, float]:
+    """(the loaded runtime, seconds it took), with a progress bar on a terminal."""
+    from rich.progress import Progress
+
+    from k3compile.runtime import load
+
+    start = time.perf_counter()
+    import torch._dynamo  # noqa: F401  (torch's custom ops import it on first call: count it as load time)
+
+    with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
+        task = bar.add_task("loading weights", total=None)
+        progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        if launch.distributed:  # rank and world size from torchrun's environment
+            rt = load(out, options=options, on_progress=progress)
+        else:
+            rt = load(out, rank=0, world_size=1, options=options, on_progress=progress)
+    return rt, time.perf_counter() - start
+
+
+def run_header(out: Path, info: Any, on_device: Any, with_graphs: bool, interpreted: bool) -> str:
+    """What runs: the artifact, its model and plan, and the device (rich markup)."""
+    return (f"[bold]{escape(str(out))}[/]: {config_label(info.config)}, tp {info.tp}"
+            f"{f', dcp {info.dcp}' if info.dcp > 1 else ''}, {dtype_name(info.dtype)}, target {escape(info.target)}, "
+            f"on {on_device}" + (" with CUDA graphs" if with_graphs else "")
+            + (" with the Triton kernels under Triton's interpreter" if interpreted else ""))
+
+
 @app.command("run")
 def run_command(
     out: ArtifactArgument,
@@ -302,46 +407,18 @@ def run_command(
     """
     import torch.distributed as dist
 
-    from k3compile.artifact import ArtifactError
-    from k3compile.batch import check_kv_cache_dtype
-    from k3compile.checkpoint.loader import CheckpointError
-    from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams, load
-    from k3compile.targets import get_target
-    from k3compile.runtime.engine import KERNELS, resolve_device
+    from k3compile.runtime import RuntimeOptions, SamplingParams
 
-    distributed = os.environ.get("WORLD_SIZE") is not None
-    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    launch = Launch.from_env()
     try:
-        try:
-            world = int(os.environ["WORLD_SIZE"]) if distributed else 1
-        except ValueError:
-            raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+        launch.check()
         at_least_one(max_new_tokens=max_new_tokens, max_context=max_context)
         try:
             sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
-        if device is not None:
-            try:
-                resolve_device(device)
-            except ValueError as e:
-                raise UserError(f"--device: {e}") from None
-        choice(kernels, KERNELS, "--kernels", "choice")
-        if kernels == "triton" and resolve_device(device).type == "cpu":
-            # The interpreter is chosen when triton is first imported: nothing has imported it yet.
-            os.environ["TRITON_INTERPRET"] = "1"
-        info = read_info(out, check_checkpoint=False)
-        if kv_cache_dtype is not None:
-            check_kv_cache_choice(kv_cache_dtype)
-            try:
-                check_kv_cache_dtype(kv_cache_dtype, info.kv_cache_dtype, info.dtype, get_target(info.target))
-            except ValueError as e:
-                raise UserError(f"{out}: {e}") from None
-        run_with = f"'torchrun --nproc-per-node {info.tp} -m k3compile run {out}'"
-        if not distributed and info.tp > 1:
-            raise UserError(f"{out} was compiled for tp={info.tp}: start it on {info.tp} processes with {run_with}")
-        if distributed and world != info.tp:
-            raise UserError(f"{out} was compiled for tp={info.tp} but torchrun started {world} process(es); use {run_with}")
+        check_runtime_choices(device, kernels)
+        info = read_runtime_artifact(out, launch, kv_cache_dtype, "run")
         prompts = read_prompts(prompt, prompt_file, info.config.vocab_size)
         for i, p in enumerate(prompts):
             need = len(p) + max_new_tokens - 1
@@ -354,43 +431,20 @@ def run_command(
             max_sequences=len(prompts), max_context=max_context, device=device,
             cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
         )
-
-        start = time.perf_counter()
-        import torch._dynamo  # noqa: F401  (torch's custom ops import it on first call: count it as load time)
-        from rich.progress import Progress
-
-        with Progress(console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
-            task = bar.add_task("loading weights", total=None)
-            progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
-            if distributed:  # rank and world size from torchrun's environment
-                rt = load(out, options=options, on_progress=progress)
-            else:
-                rt = load(out, rank=0, world_size=1, options=options, on_progress=progress)
-        load_s = time.perf_counter() - start
-
+        rt, load_s = load_runtime(out, options, launch)
         result = rt.generate_timed(prompts, max_new_tokens, sampling)
         # CUDA graphs that captured NCCL collectives must go before the process group: on
         # two H200s destroy_process_group hung with them alive.
         on_device, with_graphs = rt.device, rt.graphs is not None
         interpreted = rt.triton_kernels and on_device.type == "cpu"
         rt.close()
-    except (UserError, ArtifactError, CheckpointError, ConfigError, RequestError) as e:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if rank == 0:
-            fail(str(e))
-        raise typer.Exit(USAGE_ERROR)
+    except runtime_errors() as e:
+        launch.fail(e)
+    rank = launch.rank
     if rank == 0:
         how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
-        cfg = info.config
-        console.print(
-            f"[bold]{escape(str(out))}[/]: {config_label(cfg)}, tp {info.tp}{f', dcp {info.dcp}' if info.dcp > 1 else ''}, "
-            f"{dtype_name(info.dtype)}, target {escape(info.target)}, on {on_device}"
-            + (" with CUDA graphs" if with_graphs else "")
-            + (" with the Triton kernels under Triton's interpreter" if interpreted else "")
-            + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}",
-            soft_wrap=True,
-        )
+        console.print(run_header(out, info, on_device, with_graphs, interpreted)
+                      + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}", soft_wrap=True)
         print_tokens(prompts, result.tokens, load_s, result.prefill_s, result.decode_s)
     if dist.is_initialized():
         dist.destroy_process_group()
