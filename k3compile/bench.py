@@ -21,6 +21,11 @@ kernels of a graph replay; CPU: aten ops, self time) and by layer type (an eager
 nodes run inside profiler ranges named by :func:`k3compile.placement.groups.node_groups`),
 with the kernels each layer type launches.
 
+Peers (``peers``), timed the same way in the same run: "eager", the reference model
+(``k3compile.reference``: the rank-local model run eagerly, the artifact's TP without its
+passes) and "compile", the same model's forward under ``torch.compile``: what a torch
+user who does not use this project would run.
+
 Under ``torchrun`` every rank runs the same steps (SPMD); each reports its own rank.
 """
 
@@ -34,13 +39,20 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import fx
 
-from k3compile.batch import KDALayerCache, MLALayerCache
+from k3compile.batch import CacheShape, KDALayerCache, MLALayerCache
+from k3compile.distributed import world_tp_group
 from k3compile.mla_cache_fp8 import is_fp8_cache, quantize_rows
 from k3compile.placement.groups import GROUPS, node_groups
+from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.runtime.engine import Runtime
+from k3compile.sharding import ParallelPlan
 
-__all__ = ["BenchOptions", "BenchReport", "DecodeResult", "PrefillResult", "StepFloor", "copy_bandwidth",
+__all__ = ["PEERS", "BenchOptions", "BenchReport", "DecodeResult", "PrefillResult", "StepFloor", "copy_bandwidth",
            "fill_random_history", "run_bench", "start_sequences", "step_floor"]
+
+
+#: peers timed beside the artifact (``BenchOptions.peers``)
+PEERS = ("eager", "compile")
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class BenchOptions:
     warmup: int = 3
     prefill_repeats: int = 3
     profile: bool = True
+    peers: tuple[str, ...] = ()  # of PEERS
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,6 +81,9 @@ class BenchOptions:
                 raise ValueError(f"BenchOptions.{name}: at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"BenchOptions.warmup: at least 0, got {self.warmup}")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ValueError(f"BenchOptions.peers: unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
 
     def capacity(self) -> tuple[int, int]:
         """(sequences, tokens per sequence) a runtime needs for these measurements."""
@@ -103,6 +119,8 @@ class DecodeResult:
     kernels: list[dict[str, object]] = field(default_factory=list)
     #: profile only: per layer type, ms of device time (CPU: time) and kernels (CPU: ops) per step
     groups: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: per peer: its step time (wall clock, median, ms)
+    peer_step_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_over_floor(self) -> float:
@@ -136,6 +154,7 @@ class BenchReport:
             d["step_over_floor"] = r.step_over_floor
             d["device_over_floor"] = r.device_ms / r.floor_ms if r.device_ms is not None else None
             d["floor"]["total"] = r.floor.total
+            d["peer_over_this"] = {p: ms / r.step_ms for p, ms in r.peer_step_ms.items()}
         for d, r in zip(out["prefill"], self.prefill, strict=True):
             d["tokens_per_s"] = r.tokens_per_s
         return out
@@ -173,6 +192,16 @@ def run_bench(rt: Runtime, options: BenchOptions,
             for s in ids:
                 rt.release(s)
             progress(f"decode batch {batch}, context {context}")
+    for peer in options.peers:
+        engine = load_peer(rt, peer)
+        fill_random_history(engine, gen)
+        for result in decode:
+            ids = start_sequences(engine, result.batch, result.context)
+            result.peer_step_ms[peer], _ = time_decode(engine, ids, options.steps, options.warmup)
+            for s in ids:
+                engine.release(s)
+            progress(f"{peer} reference, batch {result.batch}, context {result.context}")
+        del engine
     prefill = []
     vocab = rt.cfg.vocab_size
     for length in options.prompt_lens:
@@ -191,7 +220,20 @@ def run_bench(rt: Runtime, options: BenchOptions,
     return BenchReport(str(rt.device), rt.rank, world, bandwidth, rt.graphs is not None, decode, prefill)
 
 
-def fill_random_history(rt: Runtime, gen: torch.Generator) -> None:
+def load_peer(rt: Runtime, kind: str) -> ReferenceEngine:
+    """The reference model on ``rt``'s rank, device and dtype with caches of its capacity
+    (the artifact's TP, no DCP); "compile": its forward under ``torch.compile``."""
+    info = rt.artifact.info
+    plan = ParallelPlan(info.tp, rt.rank)
+    model = load_reference(info.model_dir, plan, world_tp_group(), info.dtype, rt.device)
+    if kind == "compile":
+        model.forward = torch.compile(model.forward)
+    blocks = -(-rt.options.max_context // info.block_size)
+    shape = CacheShape(rt.options.max_sequences, rt.options.max_sequences * blocks, info.block_size)
+    return ReferenceEngine(model, shape, rt.device)
+
+
+def fill_random_history(rt: Runtime | ReferenceEngine, gen: torch.Generator) -> None:
     """Random cache contents, as after long prompts: MLA latents of order 1 (quantised rows
     in an FP8 cache), small KDA states and conv inputs."""
     for c in rt.caches:
@@ -208,7 +250,7 @@ def fill_random_history(rt: Runtime, gen: torch.Generator) -> None:
                 part.copy_(torch.randn(part.shape, generator=gen, device=t.device) * scale)
 
 
-def start_sequences(rt: Runtime, batch: int, context: int) -> list[int]:
+def start_sequences(rt: Runtime | ReferenceEngine, batch: int, context: int) -> list[int]:
     """``batch`` new sequences whose first ``context - 1`` positions count as cached (their
     blocks reserved, nothing computed)."""
     ids = [rt.table.new_sequence() for _ in range(batch)]
@@ -260,7 +302,7 @@ def copy_bandwidth(nbytes: int, repeats: int, device: torch.device | str = "cuda
     return 2 * nbytes / statistics.median(times)
 
 
-def time_decode(rt: Runtime, ids: list[int], steps: int, warmup: int) -> tuple[float, float | None]:
+def time_decode(rt: Runtime | ReferenceEngine, ids: list[int], steps: int, warmup: int) -> tuple[float, float | None]:
     """(ms of ``Runtime.decode``, wall clock; ms of one replay of its CUDA graph or None),
     medians; each step is fed the previous step's greedy tokens."""
     tokens = [1 + i % (rt.cfg.vocab_size - 1) for i in range(len(ids))]
@@ -359,8 +401,8 @@ def _count(event, own: Callable[[object], int]) -> int:
     return own(event) + sum(_count(c, own) for c in event.cpu_children)
 
 
-def _graph_of(rt: Runtime, batch: int) -> torch.cuda.CUDAGraph | None:
-    if rt.graphs is None or batch > rt.graphs.max_batch:
+def _graph_of(rt: Runtime | ReferenceEngine, batch: int) -> torch.cuda.CUDAGraph | None:
+    if getattr(rt, "graphs", None) is None or batch > rt.graphs.max_batch:
         return None
     bucket = next(b for b in rt.graphs.buckets if b >= batch)
     return rt.graphs.graphs[bucket][0]

@@ -122,14 +122,17 @@ def test_bench_cli_prints_and_writes_what_it_measured(artifact, tmp_path):
     assert all(p["ttft_ms"] > 0 for p in data["prefill"])
 
 
-def test_bench_cli_without_profile_or_prefill(artifact, tmp_path):
+def test_bench_cli_with_the_eager_peer_without_profile_or_prefill(artifact, tmp_path):
     out = tmp_path / "b.json"
     result = invoke("bench", artifact, "--batch", "2", "--context", "16", "--prompt-len", "", "--steps", "1",
-                    "--no-profile", "--json", out)
+                    "--no-profile", "--peers", "eager", "--json", out)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["prefill"] == [] and data["decode"][0]["groups"] == {} and data["decode"][0]["kernels"] == []
-    assert "layer type" not in result.stdout
+    (d,) = data["decode"]
+    assert data["prefill"] == [] and d["groups"] == {} and d["kernels"] == []
+    assert "layer type" not in result.stdout and "eager ms, x this" in result.stdout
+    assert set(d["peer_step_ms"]) == {"eager"} and d["peer_step_ms"]["eager"] > 0
+    assert d["peer_over_this"]["eager"] == pytest.approx(d["peer_step_ms"]["eager"] / d["step_ms"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -138,6 +141,7 @@ def test_bench_cli_without_profile_or_prefill(artifact, tmp_path):
     (["--steps", "0"], "--steps must be at least 1"),
     (["--warmup", "-1"], "--warmup: at least 0, got -1"),
     (["--device", "tpu"], "--device: unknown device 'tpu'"),
+    (["--peers", "eager,vllm"], "--peers: unknown peer 'vllm'; choose one of eager, compile"),
     (["--json", "/nonexistent-dir/b.json"], "--json: the folder /nonexistent-dir does not exist"),
 ])
 def test_bench_cli_refuses_bad_options_before_loading(artifact, args, message):

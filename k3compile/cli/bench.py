@@ -21,7 +21,7 @@ from k3compile.cli.artifact import (
     run_header,
     runtime_errors,
 )
-from k3compile.cli.options import KV_CACHE_DTYPE_HELP, at_least_one
+from k3compile.cli.options import KV_CACHE_DTYPE_HELP, at_least_one, choice
 
 
 def parse_counts(text: str, option: str, allow_empty: bool = False) -> tuple[int, ...]:
@@ -49,6 +49,9 @@ def bench_command(
     profile: Annotated[
         bool, typer.Option("--profile/--no-profile",
                            help="Also break one step's time down by kernel and by layer type (torch.profiler).")] = True,
+    peers: Annotated[
+        str, typer.Option(help="Also time these peers' decode steps in the same run: eager (the reference model, "
+                          "run eagerly) and compile (its forward under torch.compile). Example: --peers eager,compile")] = "",
     json_out: Annotated[
         Optional[Path], typer.Option("--json", help="Write the results as JSON to this file. Example: --json bench.json",
                                      show_default=False)] = None,
@@ -64,7 +67,7 @@ def bench_command(
 ) -> None:
     """Measure an artifact: decode time per step and time to first token, against the floor.
 
-    For each --context and --batch: that many sequences start with that many cached tokens of random history (nothing is prefilled), then --warmup and --steps decode steps run through the runtime's public decode call. Reported per run: the step's wall time (host work, input copies, CUDA graph replay, logits back), the device time of one graph replay (GPU), tokens per second, and the floor: the bytes one step must move on this rank (weights, the routed experts the batch picks, MLA history, KDA state) over the copy bandwidth measured in the same run. Then the time to first token of one prompt of each --prompt-len. With --profile, one step's time by layer type and by kernel.
+    For each --context and --batch: that many sequences start with that many cached tokens of random history (nothing is prefilled), then --warmup and --steps decode steps run through the runtime's public decode call. Reported per run: the step's wall time (host work, input copies, CUDA graph replay, logits back), the device time of one graph replay (GPU), tokens per second, and the floor: the bytes one step must move on this rank (weights, the routed experts the batch picks, MLA history, KDA state) over the copy bandwidth measured in the same run. Then the time to first token of one prompt of each --prompt-len. With --profile, one step's time by layer type and by kernel. With --peers, the reference model's decode steps (eager, and under torch.compile) at the same batches and contexts, and how many times slower they are.
 
     An artifact compiled with --tp N runs on N processes: torchrun --nproc-per-node N -m k3compile bench OUT (each rank measures; rank 0 prints and writes --json).
 
@@ -72,7 +75,7 @@ def bench_command(
     """
     import torch.distributed as dist
 
-    from k3compile.bench import BenchOptions, run_bench
+    from k3compile.bench import PEERS, BenchOptions, run_bench
     from k3compile.runtime import RuntimeOptions
 
     launch = Launch.from_env()
@@ -81,9 +84,12 @@ def bench_command(
         at_least_one(steps=steps)
         if warmup < 0:
             raise UserError(f"--warmup: at least 0, got {warmup}")
+        peer_names = tuple(p.strip() for p in peers.split(",") if p.strip())
+        for p in peer_names:
+            choice(p, PEERS, "--peers", "peer")
         options = BenchOptions(parse_counts(batch, "--batch"), parse_counts(context, "--context"),
                                parse_counts(prompt_len, "--prompt-len", allow_empty=True), steps, warmup,
-                               profile=profile)
+                               profile=profile, peers=peer_names)
         if json_out is not None and not json_out.parent.is_dir():
             raise UserError(f"--json: the folder {json_out.parent} does not exist")
         check_runtime_choices(device, kernels)
@@ -96,7 +102,7 @@ def bench_command(
         header = run_header(out, info, rt.device, rt.graphs is not None, rt.triton_kernels and rt.device.type == "cpu")
         from rich.progress import Progress
 
-        total = len(options.batches) * len(options.contexts) + len(options.prompt_lens)
+        total = len(options.batches) * len(options.contexts) * (1 + len(peer_names)) + len(options.prompt_lens)
         with Progress(console=err_console, transient=True, disable=launch.rank != 0 or not err_console.is_terminal) as bar:
             task = bar.add_task("measuring", total=total)
             report = run_bench(rt, options, lambda label: bar.update(task, advance=1, description=label))
@@ -121,13 +127,16 @@ def print_report(report: Any) -> None:
                   + (f", rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""))
     console.print("[bold]decode[/], per step, medians")
     table = Table()
-    for col in ("batch", "context", "step ms", "device ms", "tokens/s", "floor ms", "step / floor", "device / floor"):
+    peers = list(dict.fromkeys(p for r in report.decode for p in r.peer_step_ms))
+    for col in ("batch", "context", "step ms", "device ms", "tokens/s", "floor ms", "step / floor", "device / floor",
+                *(f"{p} ms, x this" for p in peers)):
         table.add_column(col, justify="right")
     for r in report.decode:
         dev = "-" if r.device_ms is None else f"{r.device_ms:.3f}"
         dev_ratio = "-" if r.device_ms is None else f"{r.device_ms / r.floor_ms:.2f}x"
         table.add_row(str(r.batch), str(r.context), f"{r.step_ms:.3f}", dev, f"{r.tokens_per_s:.1f}",
-                      f"{r.floor_ms:.3f}", f"{r.step_over_floor:.2f}x", dev_ratio)
+                      f"{r.floor_ms:.3f}", f"{r.step_over_floor:.2f}x", dev_ratio,
+                      *(f"{r.peer_step_ms[p]:.3f}, {r.peer_step_ms[p] / r.step_ms:.2f}x" for p in peers))
     console.print(table)
     if report.prefill:
         console.print("[bold]prefill[/], time to first token of one prompt, medians")
