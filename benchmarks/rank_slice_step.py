@@ -3,7 +3,8 @@ through the runtime under CUDA graphs, against the step's HBM floor: ``k3compile
 on a freshly written and compiled slice.
 
     python benchmarks/rank_slice_step.py --out DIR [--layers 4] [--batches 1,16,64]
-        [--contexts 1024,32768] [--prompt-lens 1024] [--kv-cache-dtype fp8] [--dense-baseline]
+        [--contexts 1024,32768] [--prompt-lens 1024] [--peers eager,compile] [--kv-cache-dtype fp8]
+        [--dense-baseline]
 
 Steps: write the slice (MXFP4 experts), compile it for ``h200`` in bf16, load it with
 caches for the largest batch and context, then :func:`k3compile.bench.run_bench` (what
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,32768")
     parser.add_argument("--prompt-lens", default="1024")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--peers", default="", help="eager and/or compile: the reference model, timed alongside")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the MLA cache: auto (bf16) or fp8")
     parser.add_argument("--dense-baseline", action="store_true")
     args = parser.parse_args()
@@ -66,8 +68,9 @@ def main() -> None:
     result["compile_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)
 
+    peers = tuple(p for p in args.peers.split(",") if p)
     result["bench"] = bench(artifact, BenchOptions(counts(args.batches), counts(args.contexts),
-                                                   counts(args.prompt_lens), args.steps))
+                                                   counts(args.prompt_lens), args.steps, peers=peers))
     torch.cuda.empty_cache()
     if args.dense_baseline:
         dense = optimize(model_dir, args.out / "dense.k3c", CompileOptions(dtype="bfloat16", target="h200",
