@@ -9,7 +9,9 @@ positions of random history (:func:`fill_random_history`; no prefill runs), then
 ``warmup`` + ``steps`` decode steps through the public API, each fed the previous step's
 greedy tokens. Per step: the wall time of ``Runtime.decode`` (host batch building, input
 copies, the CUDA graph's replay, logits back on the host; median) and, under CUDA graphs,
-the device time of one replay of that step's graph (CUDA events, median). The floor
+the device time of one replay of that step's graph (CUDA events, median); then ``steps``
+greedy steps in one ``Runtime.decode_greedy`` call (what ``generate`` runs: tokens fed on
+the device, read back at the end), wall clock per step. The floor
 (:func:`step_floor`): the bytes one step moves on this rank over the copy bandwidth
 measured in the same run.
 
@@ -87,7 +89,7 @@ class BenchOptions:
 
     def capacity(self) -> tuple[int, int]:
         """(sequences, tokens per sequence) a runtime needs for these measurements."""
-        decode = max(self.contexts) + self.warmup + self.steps + 3  # + the profiled steps
+        decode = max(self.contexts) + self.warmup + 2 * self.steps + 3  # + greedy steps, profiled steps
         return max(self.batches), max([decode, *self.prompt_lens])
 
 
@@ -112,7 +114,8 @@ class DecodeResult:
     context: int
     step_ms: float  # Runtime.decode, wall clock, median
     device_ms: float | None  # one CUDA graph replay, median (None without CUDA graphs)
-    tokens_per_s: float  # batch / step time
+    greedy_step_ms: float  # Runtime.decode_greedy (what generate runs) over ``steps`` steps, wall clock / steps
+    tokens_per_s: float  # batch / greedy step time
     floor_ms: float
     floor: StepFloor
     #: profile only: device time per kernel (GPU) or aten op (CPU) of one step, largest first
@@ -153,6 +156,7 @@ class BenchReport:
         for d, r in zip(out["decode"], self.decode, strict=True):
             d["step_over_floor"] = r.step_over_floor
             d["device_over_floor"] = r.device_ms / r.floor_ms if r.device_ms is not None else None
+            d["greedy_over_device"] = r.greedy_step_ms / r.device_ms if r.device_ms is not None else None
             d["floor"]["total"] = r.floor.total
             d["peer_over_this"] = {p: ms / r.step_ms for p, ms in r.peer_step_ms.items()}
         for d, r in zip(out["prefill"], self.prefill, strict=True):
@@ -182,8 +186,9 @@ def run_bench(rt: Runtime, options: BenchOptions,
         for batch in options.batches:
             ids = start_sequences(rt, batch, context)
             step_ms, device_ms = time_decode(rt, ids, options.steps, options.warmup)
+            greedy_ms = time_greedy(rt, ids, options.steps)
             floor = step_floor(rt, batch, context)
-            result = DecodeResult(batch, context, step_ms, device_ms, batch / step_ms * 1e3,
+            result = DecodeResult(batch, context, step_ms, device_ms, greedy_ms, batch / greedy_ms * 1e3,
                                   floor.total / bandwidth * 1e3, floor)
             if options.profile:
                 result.kernels = kernel_times(rt, ids)
@@ -329,6 +334,16 @@ def time_decode(rt: Runtime | ReferenceEngine, ids: list[int], steps: int, warmu
     return 1e3 * statistics.median(walls), statistics.median(device)
 
 
+def time_greedy(rt: Runtime, ids: list[int], steps: int) -> float:
+    """ms per step of ``Runtime.decode_greedy`` over ``steps`` steps, wall clock until the
+    tokens are on the host."""
+    tokens = [1 + i % (rt.cfg.vocab_size - 1) for i in range(len(ids))]
+    _sync(rt.device)
+    start = time.perf_counter()
+    rt.decode_greedy(ids, tokens, steps)
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
 def kernel_times(rt: Runtime, ids: list[int], top: int = 15) -> list[dict[str, object]]:
     """Device time per kernel of one decode step (GPU: a replay of its CUDA graph, or an
     eager step without graphs; CPU: self time per aten op of an eager step), largest
@@ -385,7 +400,9 @@ def group_times(rt: Runtime, ids: list[int]) -> dict[str, dict[str, float]]:
         _sync(rt.device)
     out = {g: {"ms": 0.0, "kernels": 0} for g in GROUPS}
     for e in prof.events():
-        if not e.name.startswith("k3group:") or e.cpu_parent is not None and e.cpu_parent.name.startswith("k3group:"):
+        # the ranges as the host opened them (the profiler also lists each range's span on
+        # the GPU under the same name: idle gaps included, so not a device time)
+        if e.device_type.name != "CPU" or not e.name.startswith("k3group:"):
             continue
         g = out[e.name.removeprefix("k3group:")]
         if gpu:

@@ -96,8 +96,9 @@ class SequenceTable:
         if len(prompts) > len(self.free_slots):
             raise RequestError(f"{len(prompts)} new sequences but only {len(self.free_slots)} free slots")
 
-    def reserve(self, seq_ids: list[int], counts: list[int]) -> None:
-        """Give each sequence the blocks its new tokens need, or fail changing nothing."""
+    def check_room(self, seq_ids: list[int], counts: list[int]) -> list[int]:
+        """The blocks each sequence needs for ``counts`` more tokens; a RequestError if the
+        free blocks do not cover them all."""
         bs = self.shape.block_size
         need = [
             max(0, -(-self.layout.local_length(self.sequences[s].length + n) // bs) - len(self.sequences[s].blocks))
@@ -107,6 +108,11 @@ class SequenceTable:
             raise RequestError(
                 f"context beyond capacity: {sum(need)} more cache blocks needed, {len(self.free_blocks)} free"
             )
+        return need
+
+    def reserve(self, seq_ids: list[int], counts: list[int]) -> None:
+        """Give each sequence the blocks its new tokens need, or fail changing nothing."""
+        need = self.check_room(seq_ids, counts)
         for s, n in zip(seq_ids, need):
             self.sequences[s].blocks.extend(self.free_blocks[:n])
             del self.free_blocks[:n]
@@ -114,6 +120,16 @@ class SequenceTable:
     def advance(self, seq_ids: list[int], counts: list[int]) -> None:
         for s, n in zip(seq_ids, counts):
             self.sequences[s].length += n
+
+    def cache_slot(self, seq: Sequence, position: int) -> int:
+        """The MLA cache row (block * block_size + offset) that ``seq``'s token at
+        ``position`` is written to on this rank (its blocks reserved); the scratch slot for a
+        position another DCP rank owns."""
+        if not self.layout.owns(position):
+            return SCRATCH_SLOT
+        local = self.layout.local_position(position)
+        bs = self.shape.block_size
+        return seq.blocks[local // bs] * bs + local % bs
 
     def make_batch(
         self,
@@ -125,7 +141,6 @@ class SequenceTable:
         table_width: int | None = None,
     ) -> Batch:
         """The step metadata for ``counts[i]`` new tokens of each sequence (blocks reserved)."""
-        bs = self.shape.block_size
         seqs = [self.sequences[s] for s in seq_ids]
         cu = [0]
         for n in counts:
@@ -133,15 +148,9 @@ class SequenceTable:
         width = table_width or max(1, *(len(s.blocks) for s in seqs))
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         slot_mapping = []
-        layout = self.layout
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-            for pos in range(seq.length, seq.length + n):
-                if not layout.owns(pos):
-                    slot_mapping.append(SCRATCH_SLOT)
-                    continue
-                local = layout.local_position(pos)
-                slot_mapping.append(seq.blocks[local // bs] * bs + local % bs)
+            slot_mapping.extend(self.cache_slot(seq, pos) for pos in range(seq.length, seq.length + n))
         logit_indices = list(range(cu[-1])) if all_logits else [c - 1 for c in cu[1:]]
         return Batch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
@@ -170,13 +179,15 @@ def generate_tokens(
     max_new_tokens: int,
     pick: Callable[[torch.Tensor], list[int]],
     sync: Callable[[], None] = lambda: None,
+    decode_greedy: Callable[[list[int], list[int], int], list[list[int]]] | None = None,
 ) -> Generation:
     """Prefill ``prompts`` together, then decode them together until each has
     ``max_new_tokens`` new tokens; ``pick`` turns logits [N, V] into tokens.
 
     ``engine`` has ``prefill(prompts) -> (ids, logits)``, ``decode(ids, tokens)`` and
-    ``release(id)`` (the reference engine and the runtime). Sequences are released at the
-    end, also on error."""
+    ``release(id)`` (the reference engine and the runtime). ``decode_greedy(ids, tokens,
+    steps)``, where given, runs all decode steps at once (greedy ``pick`` only). Sequences
+    are released at the end, also on error."""
     import time
 
     start = time.perf_counter()
@@ -185,7 +196,12 @@ def generate_tokens(
     result = Generation([[] for _ in prompts], prefill_s=time.perf_counter() - start)
     start = time.perf_counter()
     try:
-        for step in range(max_new_tokens):
+        if decode_greedy is not None:
+            first = pick(logits)
+            rest = decode_greedy(ids, first, max_new_tokens - 1) if max_new_tokens > 1 else [[] for _ in ids]
+            result.tokens = [[t, *more] for t, more in zip(first, rest)]
+            result.decode_steps = max_new_tokens - 1
+        for step in range(max_new_tokens if decode_greedy is None else 0):
             for out, token in zip(result.tokens, pick(logits)):
                 out.append(token)
             if step + 1 < max_new_tokens:

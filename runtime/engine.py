@@ -51,15 +51,13 @@ from k3compile.batch import (
 from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
 from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
+from k3compile.runtime.decode_graphs import DecodeGraphs
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import get_target
 
 __all__ = ["KERNELS", "Runtime", "RuntimeOptions", "load", "RequestError"]
-
-SCRATCH_SLOT = 0
-SCRATCH_BLOCK = 0
 
 
 #: What runs the k3 ops (``RuntimeOptions.kernels``): "auto" the Triton kernels on GPUs and
@@ -209,7 +207,7 @@ class Runtime:
             module.load_state_dict({k: v for k, v in self.weights.items() if k in program.state_dict}, assign=True)
             self.modules[phase] = module
         use_graphs = options.cuda_graphs if options.cuda_graphs is not None else device.type == "cuda"
-        self.graphs = _DecodeGraphs(self) if use_graphs else None
+        self.graphs = DecodeGraphs(self) if use_graphs else None
 
     # ----- requests -----------------------------------------------------------
     def _run(self, phase: str, ids: Tensor, batch: Batch, module: Callable[..., Tensor] | None = None) -> Tensor:
@@ -284,66 +282,36 @@ class Runtime:
     def generate_timed(
         self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
     ) -> Generation:
-        """:meth:`generate` with the prefill and decode time (device-synchronised)."""
+        """:meth:`generate` with the prefill and decode time (device-synchronised). Greedy
+        decoding under CUDA graphs reads tokens back once, at the end (:meth:`decode_greedy`)."""
         gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
-        return generate_tokens(self, prompts, max_new_tokens, lambda logits: sample(logits, sampling, gen).tolist(), sync)
+        pick = lambda logits: sample(logits, sampling, gen).tolist()  # noqa: E731
+        if sampling.temperature == 0 and self.graphs is not None and len(prompts) <= self.graphs.max_batch:
+            return generate_tokens(self, prompts, max_new_tokens, pick, sync, decode_greedy=self.decode_greedy)
+        return generate_tokens(self, prompts, max_new_tokens, pick, sync)
 
-
-class _DecodeGraphs:
-    """CUDA graphs of the decode program, one per batch bucket, with static inputs."""
-
-    def __init__(self, runtime: Runtime):
-        self.rt = runtime
-        self.max_batch = runtime.options.max_sequences
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_batch] + [self.max_batch]
-        dev = runtime.device
-        width = runtime.max_blocks_per_seq
-        B = self.max_batch
-        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-        self.slots = torch.full((B,), SCRATCH_SLOT, dtype=torch.int64, device=dev)
-        self.table = torch.full((B, width), SCRATCH_BLOCK, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.logit_indices = torch.arange(B, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        for b in self.buckets:
-            self.graphs[b] = self._capture(b)
-
-    def _inputs(self, b: int) -> tuple:
-        return (self.ids[:b], self.cu[: b + 1], self.seq_lens[:b], self.slots[:b], self.table[:b],
-                self.slot_mapping[:b], self.logit_indices[:b], self.rt.cache_tensors)
-
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        module = self.rt.modules["decode"]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up outside the graph (allocations, autotuning)
-            module(*self._inputs(b))
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = module(*self._inputs(b))
-        return graph, out
-
-    def run(self, seq_ids: list[int], tokens: list[int]) -> Tensor:
-        n = len(seq_ids)
-        b = next(x for x in self.buckets if x >= n)
-        batch = self.rt.table.make_batch(seq_ids, [1] * n, True, table_width=self.table.shape[1])
-        # Padding rows read and write only the scratch slot and block.
-        self.ids[:n].copy_(torch.tensor(tokens), non_blocking=True)
-        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        self.seq_lens[n:b].fill_(1)
-        self.slots[:n].copy_(batch.state_slots, non_blocking=True)
-        self.slots[n:b].fill_(SCRATCH_SLOT)
-        self.table[:n].copy_(batch.block_table, non_blocking=True)
-        self.table[n:b].fill_(SCRATCH_BLOCK)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:b].fill_(SCRATCH_BLOCK * self.rt.table.shape.block_size)
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[:n].clone()
+    def decode_greedy(self, seq_ids: list[int], tokens: list[int], steps: int) -> list[list[int]]:
+        """``steps`` greedy decode steps of existing sequences, the first fed ``tokens``,
+        each later one its predecessor's argmax; returns each sequence's ``steps`` new
+        tokens. Under CUDA graphs the tokens stay on the device between steps and the host
+        queues step after step without waiting (DecodeGraphs.decode_greedy)."""
+        self.table.check_step(seq_ids, [[t] for t in tokens])
+        if not isinstance(steps, int) or steps < 0:
+            raise RequestError(f"steps: a number of decode steps >= 0 needed, got {steps!r}")
+        for s in seq_ids:
+            if self.table.sequences[s].length + steps > self.options.max_context:
+                raise RequestError(f"sequence {s}: {steps} more tokens go beyond capacity "
+                                   f"({self.options.max_context} tokens)")
+        if self.graphs is None or len(seq_ids) > self.graphs.max_batch:
+            out: list[list[int]] = [[] for _ in seq_ids]
+            for _ in range(steps):
+                tokens = self.decode(seq_ids, tokens).argmax(-1).tolist()
+                for o, t in zip(out, tokens):
+                    o.append(t)
+            return out
+        self.table.check_room(seq_ids, [steps] * len(seq_ids))
+        return self.graphs.decode_greedy(seq_ids, tokens, steps)
 
 
 def load(

@@ -86,9 +86,9 @@ def test_bench_options_refuse_bad_values_and_runtimes_too_small(artifact):
     with pytest.raises(ValueError, match="steps"):
         BenchOptions(steps=0)
     options = BenchOptions(batches=(2,), contexts=(60,), prompt_lens=())
-    assert options.capacity() == (2, 60 + 3 + 20 + 3)
+    assert options.capacity() == (2, 60 + 3 + 2 * 20 + 3)
     rt = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(max_sequences=2, max_context=64, device="cpu"))
-    with pytest.raises(ValueError, match="holds 2 sequences of 64 tokens; these measurements need 2 of 86"):
+    with pytest.raises(ValueError, match="holds 2 sequences of 64 tokens; these measurements need 2 of 106"):
         run_bench(rt, options)
     start_sequences(rt, 1, 10)
     with pytest.raises(ValueError, match="already holds 1 sequences"):
@@ -108,7 +108,8 @@ def test_bench_cli_prints_and_writes_what_it_measured(artifact, tmp_path):
     assert bandwidth > 1e8
     for d in data["decode"]:
         assert d["step_ms"] > 0 and d["device_ms"] is None
-        assert d["tokens_per_s"] == pytest.approx(d["batch"] / d["step_ms"] * 1e3)
+        assert d["tokens_per_s"] == pytest.approx(d["batch"] / d["greedy_step_ms"] * 1e3)
+        assert d["greedy_step_ms"] > 0 and d["greedy_over_device"] is None
         assert d["floor_ms"] == pytest.approx(d["floor"]["total"] / bandwidth * 1e3)
         assert d["step_over_floor"] == pytest.approx(d["step_ms"] / d["floor_ms"])
         # the tiny preset has every layer type; each runs ops in an eager step

@@ -67,7 +67,7 @@ def bench_command(
 ) -> None:
     """Measure an artifact: decode time per step and time to first token, against the floor.
 
-    For each --context and --batch: that many sequences start with that many cached tokens of random history (nothing is prefilled), then --warmup and --steps decode steps run through the runtime's public decode call. Reported per run: the step's wall time (host work, input copies, CUDA graph replay, logits back), the device time of one graph replay (GPU), tokens per second, and the floor: the bytes one step must move on this rank (weights, the routed experts the batch picks, MLA history, KDA state) over the copy bandwidth measured in the same run. Then the time to first token of one prompt of each --prompt-len. With --profile, one step's time by layer type and by kernel. With --peers, the reference model's decode steps (eager, and under torch.compile) at the same batches and contexts, and how many times slower they are.
+    For each --context and --batch: that many sequences start with that many cached tokens of random history (nothing is prefilled), then --warmup and --steps decode steps run through the runtime's public decode call. Reported per run: the wall time of one decode call (host work, input copies, CUDA graph replay, logits back), of one step of greedy decoding as generate runs it (tokens fed on the device), the device time of one graph replay (GPU), tokens per second of greedy decoding, and the floor: the bytes one step must move on this rank (weights, the routed experts the batch picks, MLA history, KDA state) over the copy bandwidth measured in the same run. Then the time to first token of one prompt of each --prompt-len. With --profile, one step's time by layer type and by kernel. With --peers, the reference model's decode steps (eager, and under torch.compile) at the same batches and contexts, and how many times slower they are.
 
     An artifact compiled with --tp N runs on N processes: torchrun --nproc-per-node N -m k3compile bench OUT (each rank measures; rank 0 prints and writes --json).
 
@@ -128,14 +128,15 @@ def print_report(report: Any) -> None:
     console.print("[bold]decode[/], per step, medians")
     table = Table()
     peers = list(dict.fromkeys(p for r in report.decode for p in r.peer_step_ms))
-    for col in ("batch", "context", "step ms", "device ms", "tokens/s", "floor ms", "step / floor", "device / floor",
-                *(f"{p} ms, x this" for p in peers)):
+    for col in ("batch", "context", "step ms", "greedy ms", "device ms", "greedy / device", "tokens/s", "floor ms",
+                "device / floor", *(f"{p} ms, x this" for p in peers)):
         table.add_column(col, justify="right")
     for r in report.decode:
         dev = "-" if r.device_ms is None else f"{r.device_ms:.3f}"
+        greedy_ratio = "-" if r.device_ms is None else f"{r.greedy_step_ms / r.device_ms:.2f}x"
         dev_ratio = "-" if r.device_ms is None else f"{r.device_ms / r.floor_ms:.2f}x"
-        table.add_row(str(r.batch), str(r.context), f"{r.step_ms:.3f}", dev, f"{r.tokens_per_s:.1f}",
-                      f"{r.floor_ms:.3f}", f"{r.step_over_floor:.2f}x", dev_ratio,
+        table.add_row(str(r.batch), str(r.context), f"{r.step_ms:.3f}", f"{r.greedy_step_ms:.3f}", dev, greedy_ratio,
+                      f"{r.tokens_per_s:.1f}", f"{r.floor_ms:.3f}", dev_ratio,
                       *(f"{r.peer_step_ms[p]:.3f}, {r.peer_step_ms[p] / r.step_ms:.2f}x" for p in peers))
     console.print(table)
     if report.prefill:
