@@ -4,12 +4,13 @@ on a freshly written and compiled slice.
 
     python benchmarks/rank_slice_step.py --out DIR [--layers 4] [--batches 1,16,64]
         [--contexts 1024,32768] [--prompt-lens 1024] [--peers eager,compile] [--kv-cache-dtype fp8]
-        [--dense-baseline]
+        [--lowerings inductor,eager] [--dense-baseline]
 
 Steps: write the slice (MXFP4 experts), compile it for ``h200`` in bf16, load it with
 caches for the largest batch and context, then :func:`k3compile.bench.run_bench` (what
 ``k3compile bench`` runs; its module docstring says what is timed and what the floor
-counts). ``--dense-baseline`` also times the artifact compiled without ``mxfp4_experts``
+counts), once per ``--lowerings`` entry (the same artifact, run compiled by Inductor and
+op by op). ``--dense-baseline`` also times the artifact compiled without ``mxfp4_experts``
 (dense bf16 experts, the per-expert torch reference) at batch 1. Output: the bench tables
 on stdout and ``rank_slice_step.json`` in ``--out``.
 """
@@ -31,11 +32,11 @@ from k3compile.compiler import CompileOptions, optimize
 from k3compile.config import PRESETS, with_layers
 
 
-def bench(artifact: Path, options: BenchOptions) -> dict[str, object]:
+def bench(artifact: Path, options: BenchOptions, lowering: str | None = None) -> dict[str, object]:
     start = time.perf_counter()
     sequences, tokens = options.capacity()
     rt = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(max_sequences=sequences, max_context=tokens,
-                                                             device="cuda"))
+                                                             device="cuda", lowering=lowering))
     load_s = time.perf_counter() - start
     report = run_bench(rt, options, lambda label: print(label, flush=True))
     rt.close()
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--peers", default="", help="eager and/or compile: the reference model, timed alongside")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the MLA cache: auto (bf16) or fp8")
+    parser.add_argument("--lowerings", default="inductor", help="inductor and/or eager, one bench each")
     parser.add_argument("--dense-baseline", action="store_true")
     args = parser.parse_args()
     counts = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
@@ -69,9 +71,11 @@ def main() -> None:
     print(json.dumps(result), flush=True)
 
     peers = tuple(p for p in args.peers.split(",") if p)
-    result["bench"] = bench(artifact, BenchOptions(counts(args.batches), counts(args.contexts),
-                                                   counts(args.prompt_lens), args.steps, peers=peers))
-    torch.cuda.empty_cache()
+    for lowering in args.lowerings.split(","):
+        result[f"bench_{lowering}"] = bench(artifact, BenchOptions(counts(args.batches), counts(args.contexts),
+                                                                   counts(args.prompt_lens), args.steps, peers=peers),
+                                            lowering)
+        torch.cuda.empty_cache()
     if args.dense_baseline:
         dense = optimize(model_dir, args.out / "dense.k3c", CompileOptions(dtype="bfloat16", target="h200",
                                                                            disable=("mxfp4_experts",))).out_dir

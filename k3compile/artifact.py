@@ -20,13 +20,14 @@ Layout of ``OUT/``::
 
 ``manifest.json`` (format ``"k3compile-artifact"``, :data:`FORMAT_VERSION`)::
 
-    {"format": "k3compile-artifact", "format_version": 2,
+    {"format": "k3compile-artifact", "format_version": 3,
      "k3compile_version": "0.1.0", "torch_version": "2.13.0+cpu",
      "config": K3Config.to_dict(),
      "model_dir": "/abs/path/of/the/checkpoint",        # where the runtime reads weights
      "checkpoint_index_sha256": "<sha256 of model.safetensors.index.json>",
      "dtype": "bfloat16", "block_size": 16,
      "kv_cache_dtype": "float8_e4m3fn",                  # the MLA caches': the model dtype or FP8
+     "lowering": "inductor",                             # how the runtime runs the programs
      "parallel": {"tp": 8, "dcp": 2, "dcp_interleave": 1},  # dcp divides tp
      "target": "mi355x", "phases": ["decode", "prefill"],
      "passes": [ {...}, ... ],                           # per-pass summaries, as given
@@ -82,9 +83,10 @@ from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import K3Config
 from k3compile.mla_cache_fp8 import FP8_CACHE_DTYPES
 from k3compile.sharding import ParallelPlan, ShardingError, ShardOffset, ShardSpec
+from k3compile.targets import LOWERINGS
 
 FORMAT_NAME = "k3compile-artifact"
-FORMAT_VERSION = 2  # 2: kv_cache_dtype (FP8 MLA caches)
+FORMAT_VERSION = 3  # 2: kv_cache_dtype (FP8 MLA caches); 3: lowering
 SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
 #: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
@@ -137,6 +139,7 @@ class ArtifactInfo:
     dtype: torch.dtype
     block_size: int
     kv_cache_dtype: torch.dtype  # of the MLA caches (k3compile/mla_cache_fp8.py for FP8)
+    lowering: str  # how the runtime runs the programs: one of targets.LOWERINGS
     tp: int
     dcp: int
     dcp_interleave: int
@@ -394,6 +397,9 @@ def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
         raise ArtifactError(
             f"{MANIFEST}: field 'kv_cache_dtype' is {kv_name!r}, expected one of {', '.join(KV_CACHE_DTYPES)}"
         )
+    lowering = _field(raw, "lowering", str)
+    if lowering not in LOWERINGS:
+        raise ArtifactError(f"{MANIFEST}: field 'lowering' is {lowering!r}, expected one of {', '.join(LOWERINGS)}")
     parallel = _field(raw, "parallel", dict)
     tp, dcp, interleave = parallel.get("tp"), parallel.get("dcp"), parallel.get("dcp_interleave", 1)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -441,6 +447,7 @@ def _parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
         dtype=DTYPES[dtype_name],
         block_size=block_size,
         kv_cache_dtype=KV_CACHE_DTYPES[kv_name],
+        lowering=lowering,
         tp=tp,
         dcp=dcp,
         dcp_interleave=interleave,

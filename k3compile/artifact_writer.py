@@ -38,7 +38,7 @@ from k3compile.artifact import (
 )
 from k3compile.capture import CapturedModel
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
-from k3compile.targets import get_target
+from k3compile.targets import LOWERINGS, get_target
 
 __all__ = ["save_artifact", "save_program", "write_manifest"]
 
@@ -186,11 +186,13 @@ def save_artifact(
     target: str,
     pass_summaries: list[Any],
     overwrite: bool = False,
+    lowering: str = "eager",
 ) -> Path:
     """Write ``captured`` as an artifact at ``out_dir`` atomically; returns its path.
 
     ``model_dir`` is the checkpoint the runtime will read weights from (its index is
-    hashed); ``pass_summaries`` is any JSON-serialisable list (one entry per pass run).
+    hashed); ``pass_summaries`` is any JSON-serialisable list (one entry per pass run);
+    ``lowering`` how the runtime is to run the programs (one of targets.LOWERINGS).
     An existing ``out_dir`` is refused unless ``overwrite``, and even then only if it is
     a k3compile artifact or an empty directory."""
     out = Path(out_dir).absolute()
@@ -199,6 +201,8 @@ def save_artifact(
         get_target(target)
     except ValueError as e:
         raise ArtifactError(str(e)) from e
+    if lowering not in LOWERINGS:
+        raise ArtifactError(f"lowering {lowering!r}: expected one of {', '.join(LOWERINGS)}")
     check_output_dir(out, overwrite)
     if not captured.programs:
         raise ArtifactError("nothing to save: the captured model has no programs")
@@ -238,6 +242,7 @@ def save_artifact(
             "dtype": dtype,
             "block_size": captured.block_size,
             "kv_cache_dtype": str(captured.mla_cache_dtype).removeprefix("torch."),
+            "lowering": lowering,
             "parallel": {"tp": tp, "dcp": captured.plan.dcp, "dcp_interleave": captured.plan.dcp_interleave},
             "target": target,
             "phases": list(captured.programs),

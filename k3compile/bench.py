@@ -147,6 +147,7 @@ class BenchReport:
     world_size: int
     copy_bandwidth: float  # bytes per second (read + written) of a large copy on this device
     cuda_graphs: bool
+    lowering: str  # how the runtime ran the programs (targets.LOWERINGS)
     decode: list[DecodeResult]
     prefill: list[PrefillResult]
 
@@ -222,7 +223,7 @@ def run_bench(rt: Runtime, options: BenchOptions,
         prefill.append(PrefillResult(length, 1e3 * statistics.median(times[1:])))
         progress(f"prefill {length} tokens")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return BenchReport(str(rt.device), rt.rank, world, bandwidth, rt.graphs is not None, decode, prefill)
+    return BenchReport(str(rt.device), rt.rank, world, bandwidth, rt.graphs is not None, rt.lowering, decode, prefill)
 
 
 def load_peer(rt: Runtime, kind: str) -> ReferenceEngine:
@@ -391,7 +392,7 @@ def group_times(rt: Runtime, ids: list[int]) -> dict[str, dict[str, float]]:
     from torch.profiler import ProfilerActivity, profile
 
     gpu = rt.device.type == "cuda"
-    runner = _GroupRanges(rt.modules["decode"])
+    runner = _GroupRanges(rt.graph_modules["decode"])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     step = lambda: rt.step(ids, [[1]] * len(ids), module=lambda *args: runner.run(*args))  # noqa: E731
     step()  # warm-up: the profiler's first range would also hold its own start-up

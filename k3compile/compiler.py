@@ -21,7 +21,7 @@ from k3compile.distributed import RankPools
 from k3compile.pipeline import PipelineOptions, PipelineResult, pass_configs, resolve_passes, run_pipeline
 from k3compile.placement import propagate_placements
 from k3compile.sharding import ParallelPlan
-from k3compile.targets import get_target
+from k3compile.targets import LOWERINGS, get_target
 from k3compile.validation import TranslationValidator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -38,6 +38,9 @@ class CompileOptions:
     #: format, values with per-token scales: k3compile/mla_cache_fp8.py)
     kv_cache_dtype: str = "auto"
     block_size: int | None = None  # tokens per MLA cache block; None: the target's (Target.mla_block_size)
+    #: how the runtime runs the programs: "auto" (the target's, Target.lowering), or one of
+    #: targets.LOWERINGS; recorded in the artifact
+    lowering: str = "auto"
     enable: tuple[str, ...] = ()
     disable: tuple[str, ...] = ()
     validate: bool = False
@@ -53,6 +56,10 @@ class CompileOptions:
         pass_configs(self.pass_configs)  # unknown passes, options or choices fail here
         if self.block_size is None:
             object.__setattr__(self, "block_size", get_target(self.target).mla_block_size)
+        if self.lowering == "auto":
+            object.__setattr__(self, "lowering", get_target(self.target).lowering)
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering must be auto or one of {', '.join(LOWERINGS)}, got {self.lowering!r}")
 
     @property
     def mla_cache_dtype(self) -> torch.dtype:
@@ -134,6 +141,7 @@ def optimize(
             validator.close()
     say("write artifact")
     out = save_artifact(
-        out_dir, captured, model_dir, options.target, [r.summary() for r in result.records], overwrite=overwrite
+        out_dir, captured, model_dir, options.target, [r.summary() for r in result.records], overwrite=overwrite,
+        lowering=options.lowering,
     )
     return CompileResult(out, captured, result)

@@ -34,13 +34,23 @@ class Target:
     #: the FP8 format of ``--kv-cache-dtype fp8`` (k3compile/mla_cache_fp8.py): OCP E4M3,
     #: which gfx950 and sm_90 convert in hardware; gfx942 converts the fnuz variant
     fp8_cache_dtype: str = "float8_e4m3fn"
+    #: how the runtime lowers the optimized programs when the user does not say (one of
+    #: LOWERINGS): "inductor" (torch.compile at load: pointwise work, norms and AttnRes
+    #: mixes fused around the k3 kernels) on GPU targets; "eager" on the CPU, where the
+    #: compile costs more than tests and tiny models gain
+    lowering: str = "inductor"
 
+
+#: how an artifact's programs run (``CompileOptions.lowering``, recorded in the artifact):
+#: "inductor" compiles each phase's program with torch.compile when the runtime loads it,
+#: "eager" runs it op by op
+LOWERINGS = ("inductor", "eager")
 
 TARGETS: dict[str, Target] = {
     "h200": Target("h200", "cuda", "sm_90", 132, 228 * 1024, 141 * 10**9, mla_block_size=64),
     "mi355x": Target("mi355x", "hip", "gfx950", 256, 160 * 1024, 288 * 10**9),
     "mi300x": Target("mi300x", "hip", "gfx942", 304, 64 * 1024, 192 * 10**9, fp8_cache_dtype="float8_e4m3fnuz"),
-    "cpu": Target("cpu", "cpu", "cpu", 1, 0, 0),
+    "cpu": Target("cpu", "cpu", "cpu", 1, 0, 0, lowering="eager"),
 }
 
 

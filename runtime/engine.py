@@ -55,7 +55,7 @@ from k3compile.runtime.decode_graphs import DecodeGraphs
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan
-from k3compile.targets import get_target
+from k3compile.targets import LOWERINGS, get_target
 
 __all__ = ["KERNELS", "Runtime", "RuntimeOptions", "load", "RequestError"]
 
@@ -80,11 +80,16 @@ class RuntimeOptions:
     #: the MLA cache dtype the caller expects (one of KV_CACHE_DTYPE_CHOICES), checked against
     #: the artifact's (a mismatch is an error before anything loads); None: the artifact's
     kv_cache_dtype: str | None = None
+    #: how to run the programs (one of targets.LOWERINGS); None: as the artifact records
+    lowering: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"RuntimeOptions.kernels: unknown choice {self.kernels!r}; "
                              f"choose one of {', '.join(KERNELS)}")
+        if self.lowering is not None and self.lowering not in LOWERINGS:
+            raise ValueError(f"RuntimeOptions.lowering: unknown choice {self.lowering!r}; "
+                             f"choose one of {', '.join(LOWERINGS)}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"RuntimeOptions.kv_cache_dtype: unknown choice {self.kv_cache_dtype!r}; "
                              f"choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
@@ -108,6 +113,16 @@ def resolve_device(name: str | None) -> torch.device:
 def _device(options: RuntimeOptions) -> torch.device:
     """The options' device (:func:`resolve_device`)."""
     return resolve_device(options.device)
+
+
+def lower(module: torch.fx.GraphModule, lowering: str) -> Callable[..., Tensor]:
+    """``module`` as the runtime calls it: itself ("eager"), or compiled by Inductor at its
+    first call ("inductor": ``torch.compile`` with dynamic batch and token counts; the k3
+    ops stay calls to their kernels, the ops around them fuse). Compiling at load keeps the
+    artifact free of code; Inductor's own on-disk cache makes later loads faster."""
+    if lowering == "eager":
+        return module
+    return torch.compile(module, dynamic=True)
 
 
 def use_kernels(kernels: str, device: torch.device) -> bool:
@@ -200,12 +215,16 @@ class Runtime:
         self.weights, self.load_report = load_rank_weights(
             artifact, artifact.programs["decode"], self.plan, device, on_progress
         )
-        self.modules = {}
+        #: each phase's program as an fx module, and as the runtime calls it (lowered)
+        self.graph_modules: dict[str, torch.fx.GraphModule] = {}
+        self.modules: dict[str, Callable[..., Tensor]] = {}
+        self.lowering = options.lowering or info.lowering
         for phase, program in artifact.programs.items():
             module = program.module()
             # Per-rank constants exist only in the programs whose passes added them.
             module.load_state_dict({k: v for k, v in self.weights.items() if k in program.state_dict}, assign=True)
-            self.modules[phase] = module
+            self.graph_modules[phase] = module
+            self.modules[phase] = lower(module, self.lowering)
         use_graphs = options.cuda_graphs if options.cuda_graphs is not None else device.type == "cuda"
         self.graphs = DecodeGraphs(self) if use_graphs else None
 

@@ -111,13 +111,14 @@ def test_layout_and_manifest(saved, captured, model_dir):
         "sharding/rank0.json",
     ]
     m = json.loads((saved / "manifest.json").read_text())
-    assert m["format"] == FORMAT_NAME and m["format_version"] == FORMAT_VERSION == 2
+    assert m["format"] == FORMAT_NAME and m["format_version"] == FORMAT_VERSION == 3
     assert m["torch_version"] == torch.__version__ and m["k3compile_version"]
     assert m["config"] == json.loads(json.dumps(PRESETS["tiny"].to_dict()))
     assert m["model_dir"] == str(Path(model_dir).resolve()) and Path(m["model_dir"]).is_absolute()
     assert m["checkpoint_index_sha256"] == _sha(Path(model_dir) / INDEX_FILE)
     assert (m["dtype"], m["block_size"], m["parallel"], m["target"]) == ("float32", 16, {"tp": 1, "dcp": 1, "dcp_interleave": 1}, "cpu")
     assert m["kv_cache_dtype"] == "float32"  # auto: the model dtype
+    assert m["lowering"] == "eager"  # the default of save_artifact (the compiler passes the target's)
     assert m["passes"] == PASSES and m["phases"] == ["decode", "prefill"]
     assert m["capture_stats"]["nodes"] == captured.stats.nodes
     assert set(m["files"]) == set(files) - {"manifest.json", "manifest.sha256"}
@@ -241,12 +242,13 @@ def test_truncated_code_dump(copy):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("format_version", 3, r"'format_version' is 3 \(written by a newer k3compile\)"),
-        ("format_version", 1, r"'format_version' is 1; this k3compile reads version 2"),
+        ("format_version", 4, r"'format_version' is 4 \(written by a newer k3compile\)"),
+        ("format_version", 2, r"'format_version' is 2; this k3compile reads version 3"),
         ("format_version", "1", r"'format_version' has type str"),
         ("format", "something-else", r"field 'format' is 'something-else'"),
         ("dtype", "int8", r"field 'dtype' is 'int8'"),
         ("kv_cache_dtype", "float8_e5m2", r"field 'kv_cache_dtype' is 'float8_e5m2', expected one of"),
+        ("lowering", "aot", r"field 'lowering' is 'aot', expected one of inductor, eager"),
         ("config", {"hidden_size": 3}, r"field 'config' is not a valid K3 config"),
         ("parallel", {"tp": 1, "dcp": 2}, r"parallel.dcp"),
     ],

@@ -17,11 +17,13 @@ from rich.table import Table
 from k3compile.cli.app import USAGE_ERROR, UserError, app, console, err_console, fail, warn
 from k3compile.cli.options import (
     KV_CACHE_DTYPE_HELP,
+    InductorOption,
     PromptFileOption,
     PromptOption,
     at_least_one,
     check_kv_cache_choice,
     choice,
+    lowering_choice,
     read_prompts,
 )
 from k3compile.cli.render import (
@@ -140,6 +142,7 @@ def _artifact_table(out: Path, info: Any) -> Table:
     kv = dtype_name(info.kv_cache_dtype)
     table.add_row("MLA cache", f"{kv} values + per-token scales" if is_fp8_dtype(info.kv_cache_dtype) else kv)
     table.add_row("block size", f"{info.block_size} tokens per MLA cache block")
+    table.add_row("lowering", "Inductor (torch.compile at load)" if info.lowering == "inductor" else "eager (op by op)")
     table.add_row("phases", ", ".join(info.phases))
     table.add_row("capture", escape(capture_text(info.capture_stats)))
     return table
@@ -329,11 +332,12 @@ def load_runtime(out: Path, options: Any, launch: Launch) -> tuple[Any, float]:
     return rt, time.perf_counter() - start
 
 
-def run_header(out: Path, info: Any, on_device: Any, with_graphs: bool, interpreted: bool) -> str:
+def run_header(out: Path, info: Any, on_device: Any, with_graphs: bool, interpreted: bool, lowering: str) -> str:
     """What runs: the artifact, its model and plan, and the device (rich markup)."""
     return (f"[bold]{escape(str(out))}[/]: {config_label(info.config)}, tp {info.tp}"
             f"{f', dcp {info.dcp}' if info.dcp > 1 else ''}, {dtype_name(info.dtype)}, target {escape(info.target)}, "
-            f"on {on_device}" + (" with CUDA graphs" if with_graphs else "")
+            f"on {on_device}" + (", compiled by Inductor" if lowering == "inductor" else "")
+            + (" with CUDA graphs" if with_graphs else "")
             + (" with the Triton kernels under Triton's interpreter" if interpreted else ""))
 
 
@@ -394,6 +398,7 @@ def run_command(
         typer.Option(help=KV_CACHE_DTYPE_HELP + " Fixed when compiling: given here, it must be what the artifact "
                      "was compiled with (a check). Example: --kv-cache-dtype fp8", show_default=False),
     ] = None,
+    inductor: InductorOption = None,
 ) -> None:
     """Load a compiled artifact with the runtime and generate tokens.
 
@@ -430,12 +435,13 @@ def run_command(
         options = RuntimeOptions(
             max_sequences=len(prompts), max_context=max_context, device=device,
             cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
+            lowering=lowering_choice(inductor),
         )
         rt, load_s = load_runtime(out, options, launch)
         result = rt.generate_timed(prompts, max_new_tokens, sampling)
         # CUDA graphs that captured NCCL collectives must go before the process group: on
         # two H200s destroy_process_group hung with them alive.
-        on_device, with_graphs = rt.device, rt.graphs is not None
+        on_device, with_graphs, lowering = rt.device, rt.graphs is not None, rt.lowering
         interpreted = rt.triton_kernels and on_device.type == "cpu"
         rt.close()
     except runtime_errors() as e:
@@ -443,7 +449,7 @@ def run_command(
     rank = launch.rank
     if rank == 0:
         how = "greedy" if temperature == 0 else f"temperature {temperature}, top-k {top_k}, top-p {top_p}, seed {seed}"
-        console.print(run_header(out, info, on_device, with_graphs, interpreted)
+        console.print(run_header(out, info, on_device, with_graphs, interpreted, lowering)
                       + f"; {len(prompts)} prompt(s), {max_new_tokens} new token(s) each, {how}", soft_wrap=True)
         print_tokens(prompts, result.tokens, load_s, result.prefill_s, result.decode_s)
     if dist.is_initialized():

@@ -21,7 +21,7 @@ from k3compile.cli.artifact import (
     run_header,
     runtime_errors,
 )
-from k3compile.cli.options import KV_CACHE_DTYPE_HELP, at_least_one, choice
+from k3compile.cli.options import KV_CACHE_DTYPE_HELP, InductorOption, at_least_one, choice, lowering_choice
 
 
 def parse_counts(text: str, option: str, allow_empty: bool = False) -> tuple[int, ...]:
@@ -64,6 +64,7 @@ def bench_command(
         str, typer.Option(help="What runs the k3 ops: auto, reference or triton (see 'k3compile run --help').")] = "auto",
     kv_cache_dtype: Annotated[
         Optional[str], typer.Option(help=KV_CACHE_DTYPE_HELP + " A check against the artifact's.", show_default=False)] = None,
+    inductor: InductorOption = None,
 ) -> None:
     """Measure an artifact: decode time per step and time to first token, against the floor.
 
@@ -97,9 +98,10 @@ def bench_command(
         sequences, tokens = options.capacity()
         runtime_options = RuntimeOptions(max_sequences=sequences, max_context=tokens, device=device,
                                          cuda_graphs=None if cuda_graphs else False, kernels=kernels,
-                                         kv_cache_dtype=kv_cache_dtype)
+                                         kv_cache_dtype=kv_cache_dtype, lowering=lowering_choice(inductor))
         rt, load_s = load_runtime(out, runtime_options, launch)
-        header = run_header(out, info, rt.device, rt.graphs is not None, rt.triton_kernels and rt.device.type == "cpu")
+        header = run_header(out, info, rt.device, rt.graphs is not None, rt.triton_kernels and rt.device.type == "cpu",
+                            rt.lowering)
         from rich.progress import Progress
 
         total = len(options.batches) * len(options.contexts) * (1 + len(peer_names)) + len(options.prompt_lens)

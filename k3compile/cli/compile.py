@@ -13,12 +13,14 @@ from rich.markup import escape
 from k3compile.cli.app import UserError, app, console, fail
 from k3compile.cli.options import (
     KV_CACHE_DTYPE_HELP,
+    InductorOption,
     at_least_one,
     check_dtype,
     check_kv_cache_choice,
     check_plan,
     check_target,
     choice,
+    lowering_choice,
     pass_selection,
     read_config,
 )
@@ -96,6 +98,7 @@ def optimize_command(
     kv_cache_dtype: Annotated[
         str, typer.Option(help=KV_CACHE_DTYPE_HELP + " Example: --kv-cache-dtype fp8")
     ] = "auto",
+    inductor: InductorOption = None,
     block_size: Annotated[
         Optional[int],
         typer.Option(
@@ -169,6 +172,7 @@ def optimize_command(
                 tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=dtype,
                 kv_cache_dtype=kv_cache_dtype, pass_configs=_dcp_merge_config(dcp_merge),
                 block_size=block_size, enable=enabled, disable=disabled, validate=validate,
+                lowering=lowering_choice(inductor) or "auto",
             )
         except ValueError as e:
             raise UserError(str(e)) from None

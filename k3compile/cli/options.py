@@ -143,6 +143,23 @@ KV_CACHE_DTYPE_HELP = (
 )
 
 
+InductorOption = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--inductor/--no-inductor",
+        help="Run the programs compiled by Inductor (torch.compile at load: the ops around the k3 kernels fuse) "
+        "or op by op, today's path, for comparison and debugging. Default: when compiling, the target's (GPU "
+        "targets: Inductor; cpu: op by op); when running, what the artifact records. Example: --no-inductor",
+        show_default=False,
+    ),
+]
+
+
+def lowering_choice(inductor: bool | None) -> str | None:
+    """--inductor/--no-inductor as a lowering (targets.LOWERINGS); None when not given."""
+    return None if inductor is None else "inductor" if inductor else "eager"
+
+
 def check_kv_cache_choice(value: str) -> str:
     """``--kv-cache-dtype``: one of the cache dtype choices."""
     from k3compile.batch import KV_CACHE_DTYPE_CHOICES
