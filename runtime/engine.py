@@ -115,12 +115,19 @@ def _device(options: RuntimeOptions) -> torch.device:
     return resolve_device(options.device)
 
 
-def lower(module: torch.fx.GraphModule, lowering: str) -> Callable[..., Tensor]:
-    """``module`` as the runtime calls it: itself ("eager"), or compiled by Inductor at its
-    first call ("inductor": ``torch.compile`` with dynamic batch and token counts; the k3
-    ops stay calls to their kernels, the ops around them fuse). Compiling at load keeps the
-    artifact free of code; Inductor's own on-disk cache makes later loads faster."""
-    if lowering == "eager":
+#: the phases that "inductor" lowering compiles: decode only, by measurement (k3-tp8-rank
+#: slice, H200: prefill of 1,024 tokens took 128 ms compiled against 83 ms op by op;
+#: BENCHMARKS.md)
+LOWERED_PHASES = ("decode",)
+
+
+def lower(module: torch.fx.GraphModule, phase: str, lowering: str) -> Callable[..., Tensor]:
+    """``module`` (the program of ``phase``) as the runtime calls it: itself ("eager", and
+    phases outside LOWERED_PHASES), or compiled by Inductor at its first call ("inductor":
+    ``torch.compile`` with dynamic batch sizes; the k3 ops stay calls to their kernels, the
+    ops around them fuse). Compiling at load keeps the artifact free of code; Inductor's
+    own on-disk cache makes later loads faster."""
+    if lowering == "eager" or phase not in LOWERED_PHASES:
         return module
     return torch.compile(module, dynamic=True)
 
@@ -224,7 +231,7 @@ class Runtime:
             # Per-rank constants exist only in the programs whose passes added them.
             module.load_state_dict({k: v for k, v in self.weights.items() if k in program.state_dict}, assign=True)
             self.graph_modules[phase] = module
-            self.modules[phase] = lower(module, self.lowering)
+            self.modules[phase] = lower(module, phase, self.lowering)
         use_graphs = options.cuda_graphs if options.cuda_graphs is not None else device.type == "cuda"
         self.graphs = DecodeGraphs(self) if use_graphs else None
 
