@@ -51,7 +51,8 @@ executes code from the artifact: the manifest and rank files are JSON, the ``cod
 dumps are only hashed, and each ``.pt2`` is scanned *before* ``torch.export.load`` sees
 it (no pickled payloads, no nested ``torch.save`` archives, no compiled AOTInductor
 libraries, no legacy-format members), so ``torch.export.load`` only parses JSON and raw
-tensor bytes.
+tensor bytes. Nothing compiled is stored either: an artifact lowered with Inductor
+(``"lowering": "inductor"``) is compiled by the runtime when it loads.
 
 Writes (:mod:`k3compile.artifact_writer`) are atomic: everything is written and fsynced
 in a hidden temporary sibling of ``OUT`` (``.OUT.tmp-*``) and renamed onto ``OUT``;
