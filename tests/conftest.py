@@ -149,3 +149,11 @@ def _cpu_kernels_stay_the_references():
     from k3compile.runtime.kernels import registered
 
     assert not registered("cpu"), "this test registered the Triton kernels for cpu in the pytest process"
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    """No torchrun environment (WORLD_SIZE, RANK, LOCAL_RANK): the CLI's run and bench read it."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+

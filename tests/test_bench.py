@@ -21,14 +21,9 @@ from k3compile.checkpoint.loader import load_checkpoint_config
 from k3compile.cli import app
 from k3compile.placement.groups import GROUPS
 
+pytestmark = pytest.mark.usefixtures("outside_torchrun")  # the CLI reads torchrun's environment
+
 BENCH_ARGS = ["--batch", "1,3", "--context", "40", "--prompt-len", "8,20", "--steps", "2", "--warmup", "1"]
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    """The CLI reads torchrun's environment: make sure the tests see none."""
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")

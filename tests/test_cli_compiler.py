@@ -31,6 +31,8 @@ from k3compile.reference import ReferenceEngine, load_reference
 
 PROMPTS = ["1 2 3", "40 50 60 70 80"]
 NEW_TOKENS = 4
+pytestmark = pytest.mark.usefixtures("outside_torchrun")  # run reads torchrun's environment
+
 PROMPT_ARGS = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS)]
 
 
@@ -47,13 +49,6 @@ def assert_one_line_error(result, message: str) -> None:
     assert message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.output
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    """`run` reads torchrun's environment: make sure the tests see none."""
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")
