@@ -10,7 +10,7 @@ positions of random history (:func:`fill_random_history`; no prefill runs), then
 greedy tokens. Per step: the wall time of ``Runtime.decode`` (host batch building, input
 copies, the CUDA graph's replay, logits back on the host; median) and, under CUDA graphs,
 the device time of one replay of that step's graph (CUDA events, median); then ``steps``
-greedy steps in one ``Runtime.decode_greedy`` call (what ``generate`` runs: tokens fed on
+greedy steps in one ``Runtime.decode_tokens`` call (what ``generate`` runs: tokens fed on
 the device, read back at the end), wall clock per step. The floor
 (:func:`step_floor`): the bytes one step moves on this rank over the copy bandwidth
 measured in the same run.
@@ -114,7 +114,7 @@ class DecodeResult:
     context: int
     step_ms: float  # Runtime.decode, wall clock, median
     device_ms: float | None  # one CUDA graph replay, median (None without CUDA graphs)
-    greedy_step_ms: float  # Runtime.decode_greedy (what generate runs) over ``steps`` steps, wall clock / steps
+    greedy_step_ms: float  # Runtime.decode_tokens (what generate runs) over ``steps`` steps, wall clock / steps
     tokens_per_s: float  # batch / greedy step time
     floor_ms: float
     floor: StepFloor
@@ -336,12 +336,12 @@ def time_decode(rt: Runtime | ReferenceEngine, ids: list[int], steps: int, warmu
 
 
 def time_greedy(rt: Runtime, ids: list[int], steps: int) -> float:
-    """ms per step of ``Runtime.decode_greedy`` over ``steps`` steps, wall clock until the
+    """ms per step of ``Runtime.decode_tokens`` over ``steps`` steps, wall clock until the
     tokens are on the host."""
     tokens = [1 + i % (rt.cfg.vocab_size - 1) for i in range(len(ids))]
     _sync(rt.device)
     start = time.perf_counter()
-    rt.decode_greedy(ids, tokens, steps)
+    rt.decode_tokens(ids, tokens, steps)
     return 1e3 * (time.perf_counter() - start) / steps
 
 

@@ -179,15 +179,15 @@ def generate_tokens(
     max_new_tokens: int,
     pick: Callable[[torch.Tensor], list[int]],
     sync: Callable[[], None] = lambda: None,
-    decode_greedy: Callable[[list[int], list[int], int], list[list[int]]] | None = None,
+    decode_tokens: Callable[[list[int], list[int], int], list[list[int]]] | None = None,
 ) -> Generation:
     """Prefill ``prompts`` together, then decode them together until each has
     ``max_new_tokens`` new tokens; ``pick`` turns logits [N, V] into tokens.
 
     ``engine`` has ``prefill(prompts) -> (ids, logits)``, ``decode(ids, tokens)`` and
-    ``release(id)`` (the reference engine and the runtime). ``decode_greedy(ids, tokens,
-    steps)``, where given, runs all decode steps at once (greedy ``pick`` only). Sequences
-    are released at the end, also on error."""
+    ``release(id)`` (the reference engine and the runtime). ``decode_tokens(ids, tokens,
+    steps)``, where given, runs all decode steps at once, picking as ``pick`` would.
+    Sequences are released at the end, also on error."""
     import time
 
     start = time.perf_counter()
@@ -196,12 +196,12 @@ def generate_tokens(
     result = Generation([[] for _ in prompts], prefill_s=time.perf_counter() - start)
     start = time.perf_counter()
     try:
-        if decode_greedy is not None:
+        if decode_tokens is not None:
             first = pick(logits)
-            rest = decode_greedy(ids, first, max_new_tokens - 1) if max_new_tokens > 1 else [[] for _ in ids]
+            rest = decode_tokens(ids, first, max_new_tokens - 1) if max_new_tokens > 1 else [[] for _ in ids]
             result.tokens = [[t, *more] for t, more in zip(first, rest)]
             result.decode_steps = max_new_tokens - 1
-        for step in range(max_new_tokens if decode_greedy is None else 0):
+        for step in range(max_new_tokens if decode_tokens is None else 0):
             for out, token in zip(result.tokens, pick(logits)):
                 out.append(token)
             if step + 1 < max_new_tokens:

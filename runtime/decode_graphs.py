@@ -8,11 +8,14 @@ another sequence (a few entries, not the [B, blocks] table). The staging buffers
 two sets used in turn, each guarded by an event, so the host fills one step's inputs while
 the previous step's copies are still queued; nothing is allocated per step.
 
-Every graph ends by writing the argmax of its logits into the token input, so greedy
-decoding feeds itself (:meth:`DecodeGraphs.decode_greedy`): step after step is queued
-without reading a token back in between; the tokens go to pinned host memory
-asynchronously and are read once, at the end. Padding rows of a bucket read and write
-only the scratch state slot and cache block.
+Every graph ends by writing its next tokens into its own token input, so decoding feeds
+itself (:meth:`DecodeGraphs.decode_tokens`): step after step is queued without reading a
+token back in between; the tokens go to pinned host memory asynchronously and are read
+once, at the end. The graphs captured at load pick the argmax; sampling with a temperature
+uses a second graph per bucket, captured on first use, that ends with
+:func:`~k3compile.runtime.sampling.sample_on_device` over sampling parameters held in a
+static tensor. Padding rows of a bucket read and write only the scratch state slot and
+cache block.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from k3compile.runtime.sampling import SamplingParams, sample_on_device, sampling_tensor
 
 if TYPE_CHECKING:
     from k3compile.runtime.engine import Runtime
@@ -50,6 +55,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.table = torch.full((B, width), SCRATCH_BLOCK, dtype=torch.int32, device=dev)
         self.logit_indices = torch.arange(B, dtype=torch.int64, device=dev)
+        self.sampling = torch.zeros(3, dtype=torch.float32, device=dev)  # of the sampling graphs
         # Staging, two sets: (meta, seq_lens, table) in pinned memory, and numpy views to fill them.
         self._stage = [(torch.zeros(3, B, dtype=torch.int64).pin_memory(), torch.ones(B, dtype=torch.int32).pin_memory(),
                         torch.zeros(B, width, dtype=torch.int32).pin_memory()) for _ in range(2)]
@@ -59,6 +65,7 @@ class DecodeGraphs:
         #: per table row: (sequence id, blocks of it written there), what the device table holds
         self._rows: list[tuple[int, int] | None] = [None] * B
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {b: self._capture(b) for b in self.buckets}
+        self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # captured on first use
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -67,20 +74,25 @@ class DecodeGraphs:
         return (self.ids[:b], self.cu[: b + 1], self.seq_lens[:b], self.slots[:b], self.table[:b],
                 self.slot_mapping[:b], self.logit_indices[:b], self.rt.cache_tensors)
 
-    def _step(self, b: int) -> Tensor:
+    def _step(self, b: int, sampled: bool) -> Tensor:
         logits = self.rt.modules["decode"](*self._inputs(b))
-        self.ids[:b].copy_(logits.argmax(-1))  # greedy feeds the next step (decode_greedy)
+        # the next step's tokens, in its own input (decode_tokens)
+        self.ids[:b].copy_(sample_on_device(logits, self.sampling) if sampled else logits.argmax(-1))
         return logits
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    def _capture(self, b: int, sampled: bool = False) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        # The warm-up runs a real step: let it read and write only the scratch slot and block.
+        self.slots.fill_(SCRATCH_SLOT)
+        self.slot_mapping.fill_(SCRATCH_BLOCK * self.block_size)
+        self.seq_lens.fill_(1)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up outside the graph (allocations, autotuning)
-            self._step(b)
+            self._step(b, sampled)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(b)
+            out = self._step(b, sampled)
         return graph, out
 
     def stage(self, seq_ids: list[int], tokens: list[int] | None) -> int:
@@ -128,13 +140,23 @@ class DecodeGraphs:
         graph.replay()
         return out[: len(seq_ids)].clone()
 
-    def decode_greedy(self, seq_ids: list[int], tokens: list[int], steps: int) -> list[list[int]]:
-        """``steps`` greedy decode steps of the sequences (room checked by the caller), the
-        first fed ``tokens``, each later one the previous step's argmax on the device;
+    def decode_tokens(self, seq_ids: list[int], tokens: list[int], steps: int,
+                      sampling: SamplingParams) -> list[list[int]]:
+        """``steps`` decode steps of the sequences (room checked by the caller), the first
+        fed ``tokens``, each later one the tokens the previous step picked on the device
+        (argmax, or drawn as ``sampling`` says: the device generator seeded with its seed);
         returns each sequence's ``steps`` new tokens. Reads tokens back once, at the end."""
         n, table = len(seq_ids), self.rt.table
         b = self.bucket(n)
-        graph = self.graphs[b][0]
+        if sampling.temperature == 0:
+            graph = self.graphs[b][0]
+        else:
+            if b not in self.sampling_graphs:
+                self.sampling_graphs[b] = self._capture(b, sampled=True)[0]
+            graph = self.sampling_graphs[b]
+            self.sampling.copy_(sampling_tensor(sampling, self.sampling.device))
+            if sampling.seed is not None:
+                torch.cuda.manual_seed(sampling.seed)
         picked = torch.empty(steps, b, dtype=torch.int64).pin_memory()
         for t in range(steps):
             table.reserve(seq_ids, [1] * n)

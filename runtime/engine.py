@@ -308,20 +308,25 @@ class Runtime:
     def generate_timed(
         self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
     ) -> Generation:
-        """:meth:`generate` with the prefill and decode time (device-synchronised). Greedy
-        decoding under CUDA graphs reads tokens back once, at the end (:meth:`decode_greedy`)."""
+        """:meth:`generate` with the prefill and decode time (device-synchronised). The first
+        token of each prompt is picked on the host from the prefill's logits, the rest by
+        :meth:`decode_tokens` (on the device under CUDA graphs, read back once)."""
         gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
         pick = lambda logits: sample(logits, sampling, gen).tolist()  # noqa: E731
-        if sampling.temperature == 0 and self.graphs is not None and len(prompts) <= self.graphs.max_batch:
-            return generate_tokens(self, prompts, max_new_tokens, pick, sync, decode_greedy=self.decode_greedy)
-        return generate_tokens(self, prompts, max_new_tokens, pick, sync)
+        decode = lambda ids, tokens, steps: self.decode_tokens(ids, tokens, steps, sampling, gen)  # noqa: E731
+        return generate_tokens(self, prompts, max_new_tokens, pick, sync, decode_tokens=decode)
 
-    def decode_greedy(self, seq_ids: list[int], tokens: list[int], steps: int) -> list[list[int]]:
-        """``steps`` greedy decode steps of existing sequences, the first fed ``tokens``,
-        each later one its predecessor's argmax; returns each sequence's ``steps`` new
-        tokens. Under CUDA graphs the tokens stay on the device between steps and the host
-        queues step after step without waiting (DecodeGraphs.decode_greedy)."""
+    def decode_tokens(self, seq_ids: list[int], tokens: list[int], steps: int,
+                      sampling: SamplingParams = SamplingParams(),
+                      generator: torch.Generator | None = None) -> list[list[int]]:
+        """``steps`` decode steps of existing sequences, the first fed ``tokens``, each later
+        one the tokens its predecessor picked as ``sampling`` says; returns each sequence's
+        ``steps`` new tokens. Under CUDA graphs the tokens are picked and fed on the device
+        (DecodeGraphs.decode_tokens: the device generator, seeded with ``sampling.seed``)
+        and the host queues step after step without waiting; otherwise each step's logits
+        come back and :func:`sample` picks on the host with ``generator`` (default: a CPU
+        generator seeded with ``sampling.seed``)."""
         self.table.check_step(seq_ids, [[t] for t in tokens])
         if not isinstance(steps, int) or steps < 0:
             raise RequestError(f"steps: a number of decode steps >= 0 needed, got {steps!r}")
@@ -330,14 +335,16 @@ class Runtime:
                 raise RequestError(f"sequence {s}: {steps} more tokens go beyond capacity "
                                    f"({self.options.max_context} tokens)")
         if self.graphs is None or len(seq_ids) > self.graphs.max_batch:
+            if generator is None:
+                generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
             out: list[list[int]] = [[] for _ in seq_ids]
             for _ in range(steps):
-                tokens = self.decode(seq_ids, tokens).argmax(-1).tolist()
+                tokens = sample(self.decode(seq_ids, tokens), sampling, generator).tolist()
                 for o, t in zip(out, tokens):
                     o.append(t)
             return out
         self.table.check_room(seq_ids, [steps] * len(seq_ids))
-        return self.graphs.decode_greedy(seq_ids, tokens, steps)
+        return self.graphs.decode_tokens(seq_ids, tokens, steps, sampling)
 
 
 def load(

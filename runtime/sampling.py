@@ -43,3 +43,31 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def sampling_tensor(params: SamplingParams, device: torch.device) -> Tensor:
+    """``params`` as the [3] float tensor :func:`sample_on_device` reads: temperature,
+    top_k, top_p."""
+    return torch.tensor([params.temperature, params.top_k, params.top_p], dtype=torch.float32, device=device)
+
+
+def sample_on_device(logits: Tensor, params: Tensor) -> Tensor:
+    """One token per row of ``logits`` [N, V], on their device and without a host sync,
+    so that a CUDA graph can hold it: ``params`` [3] = (temperature, top_k, top_p) as
+    :func:`sampling_tensor` makes them; temperature 0 is greedy. The same filters as
+    :func:`sample` (top-k, then top-p over what top-k kept), then the Gumbel-max trick:
+    the argmax of the kept scores plus Gumbel noise is a draw from their softmax. The
+    noise comes from the device's default generator (CUDA graphs replay it with a fresh
+    offset each time; ``torch.cuda.manual_seed`` reseeds it)."""
+    temperature, top_k, top_p = params[0], params[1], params[2]
+    greedy = logits.argmax(-1)
+    scores = logits.float() / torch.where(temperature > 0, temperature, 1.0)
+    sorted_scores, order = scores.sort(-1, descending=True)
+    rank = torch.arange(scores.shape[-1], device=scores.device)
+    keep = (rank < top_k) | (top_k == 0)
+    probs = torch.softmax(sorted_scores.masked_fill(~keep, float("-inf")), dim=-1)
+    keep = keep & (probs.cumsum(-1) - probs < top_p)  # the first always stays
+    uniform = torch.rand_like(sorted_scores).clamp_(1e-20, 1 - 1e-7)
+    noisy = (sorted_scores - torch.log(-torch.log(uniform))).masked_fill(~keep, float("-inf"))
+    sampled = order.gather(-1, noisy.argmax(-1, keepdim=True)).squeeze(-1)
+    return torch.where(temperature > 0, sampled, greedy)

@@ -12,7 +12,7 @@ from k3compile import runtime
 from k3compile.batch import CacheShape
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.runtime import RequestError, RuntimeOptions, SamplingParams
-from k3compile.runtime.sampling import sample
+from k3compile.runtime.sampling import sample, sample_on_device, sampling_tensor
 
 PROMPTS = [[5, 9, 100, 7, 3, 44, 21, 8, 90, 11], [17], [300, 301, 302]]
 NEW_TOKENS = 16
@@ -134,6 +134,47 @@ def test_sampling():
         SamplingParams(top_p=0.0)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_sample_on_device_draws_what_sample_draws(device):
+    """The graph-safe sampler: the same filters as ``sample`` and draws from the same
+    distribution (Gumbel-max), with no host sync."""
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 0.0, 0.0, 0.0]], device=device)
+    on_device = lambda rows, **p: sample_on_device(rows, sampling_tensor(SamplingParams(**p), rows.device))  # noqa: E731
+    assert on_device(logits).tolist() == [2, 0]
+    assert on_device(logits, temperature=1.0, top_k=1).tolist() == [2, 0]
+    assert on_device(logits, temperature=1.0, top_p=0.01).tolist() == [2, 0]
+    torch.manual_seed(1)
+    torch.cuda.manual_seed_all(1)
+    row = logits[:1].expand(40000, -1).contiguous()
+    freq = torch.bincount(on_device(row, temperature=1.0), minlength=4).float().cpu() / row.shape[0]
+    torch.testing.assert_close(freq, torch.softmax(logits[0].cpu(), -1), atol=0.01, rtol=0)
+    hot = torch.bincount(on_device(row, temperature=2.0), minlength=4).float().cpu() / row.shape[0]
+    torch.testing.assert_close(hot, torch.softmax(logits[0].cpu() / 2, -1), atol=0.01, rtol=0)
+    assert set(on_device(row, temperature=1.0, top_k=2).tolist()) == {2, 3}
+    assert set(on_device(row, temperature=1.0, top_p=0.9).tolist()) == {1, 2, 3}
+
+
+def test_decode_tokens_samples_as_asked(artifact_tp1):
+    """Runtime.decode_tokens with a temperature (on a GPU: drawn inside the sampling CUDA
+    graph): top-k 1 is greedy whatever the draws, a seed repeats its tokens, another seed
+    at a high temperature does not."""
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
+
+    def run(sampling: SamplingParams) -> list[list[int]]:
+        ids, logits = rt.prefill(PROMPTS)
+        out = rt.decode_tokens(ids, logits.argmax(-1).tolist(), 12, sampling)
+        for s in ids:
+            rt.release(s)
+        return out
+
+    greedy = run(SamplingParams())
+    assert run(SamplingParams(temperature=1.5, top_k=1, seed=3)) == greedy
+    hot = SamplingParams(temperature=3.0, seed=5)
+    first = run(hot)
+    assert run(hot) == first and first != greedy
+    assert run(SamplingParams(temperature=3.0, seed=6)) != first
+
+
 def test_seeded_generation_is_reproducible(artifact_tp1):
     rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=OPTIONS)
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
@@ -142,8 +183,8 @@ def test_seeded_generation_is_reproducible(artifact_tp1):
     assert a != rt.generate(PROMPTS, 8, SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=8))
 
 
-def test_decode_greedy_equals_greedy_steps_one_by_one(artifact_tp1):
-    """Runtime.decode_greedy (under CUDA graphs on a GPU: tokens fed on the device, read back
+def test_decode_tokens_greedy_equals_greedy_steps_one_by_one(artifact_tp1):
+    """Runtime.decode_tokens (under CUDA graphs on a GPU: tokens fed on the device, read back
     once; incremental block table rows) against decode steps one by one without graphs:
     three sequences of different lengths (a padded bucket of 4), 20 steps across 16-token
     block boundaries."""
@@ -152,7 +193,7 @@ def test_decode_greedy_equals_greedy_steps_one_by_one(artifact_tp1):
     plain = runtime.load(artifact_tp1, rank=0, world_size=1, options=replace(OPTIONS, cuda_graphs=False))
     ids, logits = fast.prefill(prompts)
     first = logits.argmax(-1).tolist()
-    got = fast.decode_greedy(ids, first, 20)
+    got = fast.decode_tokens(ids, first, 20)
     ids2, _ = plain.prefill(prompts)
     want, tokens = [[] for _ in prompts], first
     for _ in range(20):
@@ -165,7 +206,7 @@ def test_decode_greedy_equals_greedy_steps_one_by_one(artifact_tp1):
     last = [g[-1] for g in got]
     torch.testing.assert_close(fast.decode(ids, last), plain.decode(ids2, last), rtol=1e-4, atol=1e-4)
     with pytest.raises(RequestError, match="beyond capacity"):
-        fast.decode_greedy(ids, last, OPTIONS.max_context)
+        fast.decode_tokens(ids, last, OPTIONS.max_context)
     with pytest.raises(RequestError, match="steps"):
-        fast.decode_greedy(ids, last, -1)
+        fast.decode_tokens(ids, last, -1)
 
