@@ -80,7 +80,8 @@ class RuntimeOptions:
     #: the MLA cache dtype the caller expects (one of KV_CACHE_DTYPE_CHOICES), checked against
     #: the artifact's (a mismatch is an error before anything loads); None: the artifact's
     kv_cache_dtype: str | None = None
-    #: how to run the programs (one of targets.LOWERINGS); None: as the artifact records
+    #: how to run the programs (one of targets.LOWERINGS); None: as the artifact records on a
+    #: GPU, op by op on the CPU (where artifacts for GPU targets run for tests and checks)
     lowering: str | None = None
 
     def __post_init__(self) -> None:
@@ -225,7 +226,7 @@ class Runtime:
         #: each phase's program as an fx module, and as the runtime calls it (lowered)
         self.graph_modules: dict[str, torch.fx.GraphModule] = {}
         self.modules: dict[str, Callable[..., Tensor]] = {}
-        self.lowering = options.lowering or info.lowering
+        self.lowering = options.lowering or (info.lowering if device.type == "cuda" else "eager")
         for phase, program in artifact.programs.items():
             module = program.module()
             # Per-rank constants exist only in the programs whose passes added them.

@@ -38,8 +38,11 @@ def test_lowering_defaults_to_the_targets_and_is_recorded(inductor_artifact):
 
 
 def test_inductor_lowering_computes_what_the_eager_programs_compute(inductor_artifact):
-    lowered = runtime.load(inductor_artifact, rank=0, world_size=1, options=OPTIONS)
+    lowered = runtime.load(inductor_artifact, rank=0, world_size=1, options=replace(OPTIONS, lowering="inductor"))
     eager = runtime.load(inductor_artifact, rank=0, world_size=1, options=replace(OPTIONS, lowering="eager"))
+    # Without a choice the artifact's lowering applies on a GPU; the CPU runs op by op.
+    default = runtime.load(inductor_artifact, rank=0, world_size=1, options=OPTIONS)
+    assert default.lowering == ("inductor" if default.device.type == "cuda" else "eager")
     assert (lowered.lowering, eager.lowering) == ("inductor", "eager")
     assert isinstance(eager.modules["decode"], torch.fx.GraphModule)
     assert not isinstance(lowered.modules["decode"], torch.fx.GraphModule)  # an Inductor-compiled callable

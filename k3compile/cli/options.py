@@ -149,7 +149,8 @@ InductorOption = Annotated[
         "--inductor/--no-inductor",
         help="Run the decode program compiled by Inductor (torch.compile at load: the ops around the k3 kernels fuse) "
         "or op by op, today's path, for comparison and debugging. Default: when compiling, the target's (GPU "
-        "targets: Inductor; cpu: op by op); when running, what the artifact records. Example: --no-inductor",
+        "targets: Inductor; cpu: op by op); when running, what the artifact records (on the CPU: op by op). "
+        "Example: --no-inductor",
         show_default=False,
     ),
 ]
