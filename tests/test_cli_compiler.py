@@ -113,7 +113,7 @@ def test_optimize_writes_artifact(compiled, model_dir):
     rows = [line for line in stdout.splitlines() if line.startswith("remove_noops")]
     assert len(rows) == 2 and "decode" in rows[0] and "prefill" in rows[1]
     assert all(re.search(r"\d\.\de[-+]\d+ ok", row) for row in rows)  # validated
-    assert re.search(r"capture\s+decode [\d.]+ m?s \(\d+ nodes\), prefill .*peak memory [\d.]+ MiB", stdout)
+    assert re.search(r"capture\s+decode [\d.]+ m?s \(\d+ nodes\), prefill .*peak memory [\d.]+ [MG]iB", stdout)
     assert str(out.absolute()) in stdout
     assert f"k3compile inspect {out}" in stdout
 
