@@ -20,15 +20,12 @@ cache block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from k3compile.runtime.sampling import SamplingParams, sample_on_device, sampling_tensor
-
-if TYPE_CHECKING:
-    from k3compile.runtime.engine import Runtime
 
 #: the KDA state slot and the MLA cache block that padding rows use (reserved at allocation)
 SCRATCH_SLOT = 0
@@ -40,7 +37,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class DecodeGraphs:
     """The decode program captured once per batch bucket, over static inputs."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Any):
+        """``runtime``: the engine.Runtime whose decode program, caches and sequence table
+        these graphs serve (not imported here: the engine imports this module)."""
         self.rt = runtime
         self.max_batch = runtime.options.max_sequences
         self.buckets = [b for b in BUCKETS if b < self.max_batch] + [self.max_batch]
