@@ -311,7 +311,7 @@ def copy_bandwidth(nbytes: int, repeats: int, device: torch.device | str = "cuda
 def time_decode(rt: Runtime | ReferenceEngine, ids: list[int], steps: int, warmup: int) -> tuple[float, float | None]:
     """(ms of ``Runtime.decode``, wall clock; ms of one replay of its CUDA graph or None),
     medians; each step is fed the previous step's greedy tokens."""
-    tokens = [1 + i % (rt.cfg.vocab_size - 1) for i in range(len(ids))]
+    tokens = _some_tokens(rt, len(ids))
     walls = []
     for i in range(warmup + steps):
         _sync(rt.device)
@@ -338,7 +338,7 @@ def time_decode(rt: Runtime | ReferenceEngine, ids: list[int], steps: int, warmu
 def time_greedy(rt: Runtime, ids: list[int], steps: int) -> float:
     """ms per step of ``Runtime.decode_tokens`` over ``steps`` steps, wall clock until the
     tokens are on the host."""
-    tokens = [1 + i % (rt.cfg.vocab_size - 1) for i in range(len(ids))]
+    tokens = _some_tokens(rt, len(ids))
     _sync(rt.device)
     start = time.perf_counter()
     rt.decode_tokens(ids, tokens, steps)
@@ -417,6 +417,11 @@ def group_times(rt: Runtime, ids: list[int]) -> dict[str, dict[str, float]]:
 
 def _count(event, own: Callable[[object], int]) -> int:
     return own(event) + sum(_count(c, own) for c in event.cpu_children)
+
+
+def _some_tokens(rt: Runtime | ReferenceEngine, n: int) -> list[int]:
+    """``n`` valid token ids to feed a first timed step."""
+    return [1 + i % (rt.cfg.vocab_size - 1) for i in range(n)]
 
 
 def _graph_of(rt: Runtime | ReferenceEngine, batch: int) -> torch.cuda.CUDAGraph | None:
