@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from typer.testing import CliRunner
 
+from cli_runs import assert_one_line_error, invoke
 from k3compile import runtime
 from k3compile.bench import BenchOptions, run_bench, start_sequences, step_floor
 from k3compile.checkpoint.loader import load_checkpoint_config
-from k3compile.cli import app
 from k3compile.placement.groups import GROUPS
 
 pytestmark = pytest.mark.usefixtures("outside_torchrun")  # the CLI reads torchrun's environment
@@ -29,10 +28,6 @@ BENCH_ARGS = ["--batch", "1,3", "--context", "40", "--prompt-len", "8,20", "--st
 @pytest.fixture(scope="module")
 def artifact(compile_once) -> Path:
     return compile_once("tiny", "mxfp4", dtype="float32").out_dir
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
 def checkpoint_bytes(model_dir: Path, dtype_bytes: int) -> tuple[int, int]:
@@ -141,10 +136,7 @@ def test_bench_cli_with_the_eager_peer_without_profile_or_prefill(artifact, tmp_
     (["--json", "/nonexistent-dir/b.json"], "--json: the folder /nonexistent-dir does not exist"),
 ])
 def test_bench_cli_refuses_bad_options_before_loading(artifact, args, message):
-    result = invoke("bench", artifact, *args)
-    assert result.exit_code == 2, result.output
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert "Traceback" not in result.output
+    assert_one_line_error(invoke("bench", artifact, *args), message)
 
 
 @pytest.mark.slow

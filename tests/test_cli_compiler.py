@@ -19,13 +19,12 @@ import pytest
 
 from k3compile.pipeline import default_pass_names
 from k3compile.targets import get_target
-from typer.testing import CliRunner
 
+from cli_runs import assert_one_line_error, invoke
 from k3compile.artifact import MANIFEST
 from k3compile.artifact_writer import write_manifest
 from k3compile.batch import CacheShape
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
-from k3compile.cli import app
 from k3compile.config import PRESETS
 from k3compile.reference import ReferenceEngine, load_reference
 
@@ -36,19 +35,8 @@ pytestmark = pytest.mark.usefixtures("outside_torchrun")  # run reads torchrun's
 PROMPT_ARGS = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS)]
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
-
-
 def new_tokens(stdout: str) -> list[list[int]]:
     return [[int(t) for t in m.split()] for m in re.findall(r"new tokens: ([\d ]+)", stdout)]
-
-
-def assert_one_line_error(result, message: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert message in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "Traceback" not in result.output
 
 
 @pytest.fixture(scope="module")
