@@ -56,7 +56,6 @@ all-reduce would change what they see); shape or dtype mismatches at the add.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +64,7 @@ from torch.fx import GraphModule, Node
 
 from k3compile.pipeline.graph_edits import add_rank_constant, reshard_parameter
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
+from k3compile.pipeline.node_queries import layer_of
 from k3compile.sharding import Partial, Replicate, ShardOffset
 from k3compile.targets import DEVICE_KINDS
 
@@ -106,11 +106,6 @@ def _all_reduced_partial(node: object) -> tuple[Node, Node] | None:
     return (node, ar) if ar.args[0].meta.get("placement") == Partial() else None
 
 
-def _layer(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
-    found = re.search(r"layers\.(\d+)", path)
-    return found.group(1) if found else "-"
 
 
 @register_pass
@@ -217,7 +212,7 @@ class DedupReplicatedLinear(GraphPass):
             "flops_removed_per_token": 2 * rows * cols * (tp - 1) // tp,
         }
         detail = (
-            f"layer {_layer(block)}: {params[weight.name]} [{rows}, {cols}] -> {rows // tp} rows per rank, "
+            f"layer {layer_of(block)}: {params[weight.name]} [{rows}, {cols}] -> {rows // tp} rows per rank, "
             f"added into {partial.name} before its all-reduce"
             + (" (k3.add_rank_block_linear: rows GEMV and add in one op)" if fused
                else " (aten.linear + k3.add_rank_block)")

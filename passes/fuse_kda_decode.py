@@ -74,15 +74,14 @@ one sequence (symbolic sizes set to 1).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch.fx import GraphModule, Node
 
 import k3compile.ops.kda_fused  # noqa: F401  (registers torch.ops.k3.kda_decode_fused)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
+from k3compile.pipeline.node_queries import is_call, layer_of, numel_at_one, op_arg, other_users, tensor_val
 from k3compile.targets import GPU_DEVICES
 
 aten = torch.ops.aten
@@ -120,31 +119,19 @@ class _Chain:
 
     def fused_args(self) -> tuple:
         q, k, v = (c.args[0] for c in self.convs)
-        wq, wk, wv = (_arg(c, "weight") for c in self.convs)
-        cq, ck, cv = (_arg(c, "conv_state") for c in self.convs)
+        wq, wk, wv = (op_arg(c, "weight") for c in self.convs)
+        cq, ck, cv = (op_arg(c, "conv_state") for c in self.convs)
         return (
             q, k, v, wq, wk, wv, cq, ck, cv,
-            self.gate_view.args[0], _arg(self.gate, "A_log"), _arg(self.gate, "dt_bias"),
-            _arg(self.gate, "lower_bound"), self.logits,
-            _arg(self.decode, "state"), _arg(self.decode, "slots"), _arg(self.decode, "scale"),
-            self.norm_gate_view.args[0], _arg(self.norm, "weight"), _arg(self.norm, "eps"),
+            self.gate_view.args[0], op_arg(self.gate, "A_log"), op_arg(self.gate, "dt_bias"),
+            op_arg(self.gate, "lower_bound"), self.logits,
+            op_arg(self.decode, "state"), op_arg(self.decode, "slots"), op_arg(self.decode, "scale"),
+            self.norm_gate_view.args[0], op_arg(self.norm, "weight"), op_arg(self.norm, "eps"),
         )
 
 
-def _arg(node: Node, name: str):
-    """Argument ``name`` of a call to an OpOverload (positional or keyword)."""
-    schema = node.target._schema
-    for i, a in enumerate(schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, a.default_value)
-    raise KeyError(f"{node.target} has no argument {name!r}")
 
 
-def _val(node: object) -> torch.Tensor | None:
-    v = node.meta.get("val") if isinstance(node, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _same(a, b) -> bool:
@@ -154,21 +141,15 @@ def _same(a, b) -> bool:
     return str(a) == str(b)
 
 
-def _is_call(node: object, targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
-def _only_user(node: Node, user: Node) -> str:
-    """'' if ``user`` is the only user of ``node``, else a reason."""
-    others = [u.name for u in node.users if u is not user]
-    return f"{node.name} has other users ({', '.join(others)}): it would be computed anyway" if others else ""
 
 
 def _split_view(view: object, heads: int, width: int) -> str:
     """'' if ``view`` is a view of a flat [T, heads*width] tensor as [T, heads, width]."""
-    if not _is_call(view, _VIEWS):
+    if not is_call(view, _VIEWS):
         return f"{getattr(view, 'name', view)} is not a view of a flat [T, H*D] tensor"
-    src, out = _val(view.args[0]), _val(view)
+    src, out = tensor_val(view.args[0]), tensor_val(view)
     if src is None or out is None or src.dim() != 2 or out.dim() != 3:
         return f"{view.name} is not a [T, C] -> [T, H, D] view"
     if not (_same(src.shape[0], out.shape[0]) and _same(src.shape[1], heads * width)
@@ -178,19 +159,8 @@ def _split_view(view: object, heads: int, width: int) -> str:
     return ""
 
 
-def _numel_at_one(t: torch.Tensor) -> int:
-    """Elements of ``t`` with every symbolic size set to 1 (one sequence, one token)."""
-    n = sympy.Integer(1)
-    for s in t.shape:
-        n *= sympy.sympify(s.node.expr) if hasattr(s, "node") else sympy.Integer(s)
-    return int(n.subs({sym: 1 for sym in n.free_symbols}))
 
 
-def _layer(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
-    found = re.search(r"layers\.(\d+)", path)
-    return found.group(1) if found else "-"
 
 
 def _power_of_two(n: int) -> bool:
@@ -219,7 +189,7 @@ class FuseKDADecode(GraphPass):
                 result.skipped.append(Skipped(node.name, reason))
                 continue
             if gpu:
-                _, _, D, DV = _val(_arg(node, "state")).shape
+                _, _, D, DV = tensor_val(op_arg(node, "state")).shape
                 if not (_power_of_two(int(D)) and _power_of_two(int(DV))):
                     result.skipped.append(Skipped(node.name, f"the {ctx.target.name} kernel needs power-of-two "
                                                              f"head dims, got D={D}, DV={DV}"))
@@ -229,65 +199,65 @@ class FuseKDADecode(GraphPass):
         return result
 
     def _match(self, decode: Node) -> tuple[_Chain | None, str]:
-        state = _val(_arg(decode, "state"))
+        state = tensor_val(op_arg(decode, "state"))
         if state is None or state.dim() != 4:
             return None, "the recurrent state is not a [S, H, D, DV] tensor"
         H, D, DV = (int(s) for s in state.shape[1:])  # never int() the slot count: it would specialise it
-        slots = _arg(decode, "slots")
+        slots = op_arg(decode, "slots")
 
         if len(decode.users) != 1:
             users = ", ".join(u.name for u in decode.users) or "none"
             return None, f"{decode.name} must have one user, gated_rms_norm (users: {users})"
         (norm,) = decode.users
-        if not (_is_call(norm, {k3.gated_rms_norm.default}) and _arg(norm, "x") is decode):
+        if not (is_call(norm, {k3.gated_rms_norm.default}) and op_arg(norm, "x") is decode):
             return None, f"its output feeds {norm.target}, not gated_rms_norm's input"
-        norm_gate_view = _arg(norm, "gate")
-        if reason := _split_view(norm_gate_view, H, DV) or _only_user(norm_gate_view, norm):
+        norm_gate_view = op_arg(norm, "gate")
+        if reason := _split_view(norm_gate_view, H, DV) or other_users(norm_gate_view, norm):
             return None, reason
 
         convs, conv_views = [], []
         for name, width in (("q", D), ("k", D), ("v", DV)):
-            view = _arg(decode, name)
-            if reason := _split_view(view, H, width) or _only_user(view, decode):
+            view = op_arg(decode, name)
+            if reason := _split_view(view, H, width) or other_users(view, decode):
                 return None, f"{name}: {reason}"
             conv = view.args[0]
-            if not _is_call(conv, {k3.short_conv_decode.default}):
+            if not is_call(conv, {k3.short_conv_decode.default}):
                 return None, f"{name} is not produced by short_conv_decode (found {conv.target})"
-            if reason := _only_user(conv, view):
+            if reason := other_users(conv, view):
                 return None, f"{name}: {reason}"
-            if _arg(conv, "slots") is not slots:
+            if op_arg(conv, "slots") is not slots:
                 return None, f"{conv.name} reads other slots than {decode.name}"
             convs.append(conv)
             conv_views.append(view)
 
-        gate = _arg(decode, "g")
-        if not _is_call(gate, {k3.kda_gate.default}):
+        gate = op_arg(decode, "g")
+        if not is_call(gate, {k3.kda_gate.default}):
             return None, f"g is not produced by kda_gate (found {getattr(gate, 'target', gate)})"
-        gate_view = _arg(gate, "a")
-        if reason := (_only_user(gate, decode) or _split_view(gate_view, H, D) or _only_user(gate_view, gate)):
+        gate_view = op_arg(gate, "a")
+        if reason := (other_users(gate, decode) or _split_view(gate_view, H, D) or other_users(gate_view, gate)):
             return None, f"g: {reason}"
 
-        sigmoid = _arg(decode, "beta")
-        if not _is_call(sigmoid, {aten.sigmoid.default}):
+        sigmoid = op_arg(decode, "beta")
+        if not is_call(sigmoid, {aten.sigmoid.default}):
             return None, f"beta is not a sigmoid (found {getattr(sigmoid, 'target', sigmoid)})"
-        if reason := _only_user(sigmoid, decode):
+        if reason := other_users(sigmoid, decode):
             return None, f"beta: {reason}"
-        if _val(sigmoid) is None or _val(sigmoid).dtype != torch.float32:
+        if tensor_val(sigmoid) is None or tensor_val(sigmoid).dtype != torch.float32:
             return None, "beta's sigmoid is not computed in fp32 (the fused op computes sigmoid(logits.float()))"
         cast, logits = None, sigmoid.args[0]
-        if _is_call(logits, _CASTS) and self._is_fp32_cast(logits):
-            if reason := _only_user(logits, sigmoid):
+        if is_call(logits, _CASTS) and self._is_fp32_cast(logits):
+            if reason := other_users(logits, sigmoid):
                 return None, f"beta: {reason}"
             cast, logits = logits, logits.args[0]
-        lv = _val(logits)
+        lv = tensor_val(logits)
         if lv is None or lv.dim() != 2 or not lv.is_floating_point() or not _same(lv.shape[1], H):
             return None, f"beta's logits {getattr(logits, 'name', logits)} are not a floating [T, {H}] tensor"
 
-        caches = [_arg(c, "conv_state") for c in convs] + [_arg(decode, "state")]
+        caches = [op_arg(c, "conv_state") for c in convs] + [op_arg(decode, "state")]
         if len(set(caches)) != 4:
             return None, "the three conv states and the recurrent state are not four distinct tensors"
         for cache, op in zip(caches, [*convs, decode]):
-            if reason := _only_user(cache, op):
+            if reason := other_users(cache, op):
                 return None, (f"cache {cache.name} is also used by {[u.name for u in cache.users if u is not op]}: "
                               "moving its in-place update to the fused op would reorder it")
         return _Chain(decode, norm, convs, conv_views, gate, gate_view, sigmoid, cast, logits, norm_gate_view), ""
@@ -295,7 +265,7 @@ class FuseKDADecode(GraphPass):
     @staticmethod
     def _is_fp32_cast(node: Node) -> bool:
         """A pure dtype conversion to fp32 (no device, layout or memory-format change)."""
-        src, out = _val(node.args[0]), _val(node)
+        src, out = tensor_val(node.args[0]), tensor_val(node)
         if src is None or out is None or out.dtype != torch.float32 or not src.is_floating_point():
             return False
         if node.target is aten.to.dtype:
@@ -307,7 +277,7 @@ class FuseKDADecode(GraphPass):
         fused_nodes = chain.compute_nodes()
         intermediates = [*chain.convs, chain.gate, *([chain.cast] if chain.cast else []), chain.sigmoid, chain.decode]
         # Each intermediate is written once and read once by the next op of the chain.
-        nbytes = sum(2 * _numel_at_one(_val(n)) * _val(n).element_size() for n in intermediates)
+        nbytes = sum(2 * numel_at_one(tensor_val(n)) * tensor_val(n).element_size() for n in intermediates)
         removed, name = chain.replaced(), chain.decode.name
         with graph.inserting_before(chain.norm):
             fused = graph.call_function(k3.kda_decode_fused.default, chain.fused_args())
@@ -323,7 +293,7 @@ class FuseKDADecode(GraphPass):
             "nodes_added": 1,
             "bytes_removed": nbytes,
         }
-        detail = f"layer {_layer(fused)}: {ops} -> k3.kda_decode_fused ({len(fused_nodes)} launches -> 1)"
+        detail = f"layer {layer_of(fused)}: {ops} -> k3.kda_decode_fused ({len(fused_nodes)} launches -> 1)"
         return Rewrite(name, detail, stats)
 
 

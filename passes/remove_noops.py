@@ -33,6 +33,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Skipped, register_pass
+from k3compile.pipeline.node_queries import tensor_val
 from k3compile.targets import DEVICE_KINDS
 
 aten = torch.ops.aten
@@ -42,9 +43,6 @@ _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.de
 _COPIES = {aten.clone.default, aten._to_copy.default}
 
 
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -108,7 +106,7 @@ class RemoveNoops(GraphPass):
             if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
                 continue
             src_node = node.args[0]
-            out, src = _val(node), _val(src_node)
+            out, src = tensor_val(node), tensor_val(src_node)
             if out is None or src is None:
                 continue
             is_view = node.target in _VIEWS and _same_shape(out, src)

@@ -42,11 +42,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
+from k3compile.pipeline.node_queries import numel_at_one
 from k3compile.targets import DEVICE_KINDS
 
 aten = torch.ops.aten
@@ -82,23 +82,15 @@ def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _numel_at_one(t: torch.Tensor) -> int:
-    """Elements of ``t`` with every symbolic size variable set to 1 (one token per
-    sequence, one sequence)."""
-    n = sympy.Integer(1)
-    for s in t.shape:
-        n *= sympy.sympify(getattr(s, "node", s).expr if hasattr(s, "node") else s)
-    free = {sym: 1 for sym in n.free_symbols}
-    return int(n.subs(free))
 
 
 def _copy_bytes(node: Node) -> int:
     """Bytes read + written by one copy at one token: the output plus its tensor inputs."""
     out = node.meta["val"]
-    total = _numel_at_one(out) * out.element_size()
+    total = numel_at_one(out) * out.element_size()
     for arg in node.args:
         if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor):
-            total += _numel_at_one(arg.meta["val"]) * arg.meta["val"].element_size()
+            total += numel_at_one(arg.meta["val"]) * arg.meta["val"].element_size()
     return total
 
 

@@ -1,0 +1,63 @@
+"""Questions passes ask of FX nodes: a node's tensor value, an op call's argument by name,
+its only user, its layer, and sizes at one token.
+
+Helpers only read the graph; rewriting stays in each pass.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import sympy
+import torch
+from torch.fx import Node
+
+
+def tensor_val(node: object) -> torch.Tensor | None:
+    """The fake tensor a node produces (``meta["val"]``), or None for non-tensors."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def op_arg(node: Node, name: str) -> Any:
+    """Argument ``name`` of a call to an OpOverload, positional or keyword (its default if absent)."""
+    schema = node.target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, a.default_value)
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
+def is_call(node: object, targets) -> bool:
+    """``node`` calls one of ``targets``."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def other_users(node: Node, user: Node) -> str:
+    """'' if ``user`` is the only user of ``node``, else the reason it is not."""
+    others = [u.name for u in node.users if u is not user]
+    return f"{node.name} has other users ({', '.join(others)}): it would be computed anyway" if others else ""
+
+
+def numel_at_one(t: torch.Tensor) -> int:
+    """Elements of ``t`` with every symbolic size set to 1 (one sequence, one token)."""
+    n = sympy.Integer(1)
+    for s in t.shape:
+        n *= sympy.sympify(s.node.expr) if hasattr(s, "node") else sympy.Integer(s)
+    return int(n.subs({sym: 1 for sym in n.free_symbols}))
+
+
+def layer_of(node: Node) -> str:
+    """The decoder layer a node was traced in ("-" outside the layers)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    found = re.search(r"layers\.(\d+)", path)
+    return found.group(1) if found else "-"
+
+
+def op_name(node: Node) -> str:
+    """``k3.rms_norm``, ``aten.linear``: how pass reports name an op."""
+    return node.target.overloadpacket._qualified_op_name.replace("::", ".")
