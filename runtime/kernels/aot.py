@@ -150,7 +150,7 @@ class CompileRequest:
     """One kernel specialisation to compile for one target (see compile_for_target)."""
 
     fn: object
-    signature: dict[str, str]
+    signature: dict[str, str | tuple[str, ...]]  # a tuple: the element types of a tuple argument
     constexprs: dict[str, object]
     target: str
     num_warps: int = 4
@@ -270,11 +270,13 @@ def _triton_compile(r: CompileRequest):
     missing = [a for a in fn.arg_names if a not in r.signature]
     if missing:
         raise ValueError(f"{fn.__name__}: signature lacks arguments {missing}")
-    attrs = {
-        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
-        for name, ty in r.signature.items()
-        if ty.startswith("*") or name in r.divisible_by_16
-    }
+    attrs = {}
+    for name, ty in r.signature.items():
+        i = fn.arg_names.index(name)
+        if isinstance(ty, tuple):  # a tuple of pointers (a kernel taking a list of tensors)
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j, t in enumerate(ty) if t.startswith("*")})
+        elif ty.startswith("*") or name in r.divisible_by_16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=r.signature, constexprs=r.constexprs, attrs=attrs)
     options = {"num_warps": r.num_warps, "num_stages": r.num_stages}
     return triton.compile(src, target=spec.gpu_target, options=options)
@@ -376,6 +378,7 @@ def _subprocess_main() -> None:
     for job in json.load(sys.stdin):
         fn = getattr(importlib.import_module(job.pop("module")), job.pop("name"))
         job["divisible_by_16"] = tuple(job["divisible_by_16"])
+        job["signature"] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["signature"].items()}
         kind = job.pop("asm")
         request = CompileRequest(fn, **job)
         results.append(_compile_one(AsmRequest(request, kind)) if kind else asdict(_compile(request)))
