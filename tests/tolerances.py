@@ -77,6 +77,13 @@ KDA_STATE_FLIP = 2
 #: the norm and the product kept in fp32 (bf16 under the interpreter: truncated, observed
 #: 1.7); fp32: sums of up to 3584 terms (sqrt ~ 60; observed 4).
 ROWS = Roundings(low=1, fp32=64)
+#: The Attention Residuals mix against an fp32 reference, per row: one rounding of the output
+#: (bf16 under the interpreter: truncated); fp32: the scores' sums over the row in another
+#: order, through exp into every weight.
+ATTN_RES = Roundings(low=1, fp32=64)
+#: The mix + RMSNorm against the op's reference, which rounds the mix where the kernel does:
+#: a one-ulp flip of the mix (2) carried through the norm, and the output's rounding (1).
+ATTN_RES_NORM = Roundings(low=3, fp32=64)
 #: The op reference of add_rank_block_linear rounds x @ W^T to x's dtype before the add:
 #: one rounding more.
 ROWS_OP_REFERENCE = Roundings(low=2, fp32=64)

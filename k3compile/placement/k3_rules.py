@@ -16,7 +16,7 @@ from torch.fx import Node
 
 from k3compile.mla_cache_fp8 import SCALE_BYTES
 from k3compile.ops.activations import situ_and_mul
-from k3compile.ops.attn_res import attn_res_mix
+from k3compile.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from k3compile.ops.dcp import dcp_local_lengths, dcp_merge, dcp_pack, dcp_rescale
 from k3compile.ops.kda import gated_rms_norm, kda_decode, kda_gate, kda_prefill, short_conv_decode, short_conv_prefill
 from k3compile.ops.kda_fused import MUTATED as KDA_FUSED_CACHES
@@ -62,14 +62,21 @@ register_op_rules({rms_norm: rowwise("x", flops_per_element=4)})
 # --------------------------------------------------------------------------- attn_res
 # Mixes whole rows (the hidden dim is reduced), so the candidates share one placement that
 # does not split the last dim. Cost per candidate element: square + mean (2), scale (1),
-# score product + sum (2), weighted sum (2).
+# score product + sum (2), weighted sum (2); attn_res_mix_norm adds the norm's 4 per element.
 
 
 def _attn_res_cost(call: CostCall) -> Cost:
     return Cost(7 * (call.count("blocks") + 1) * call.numel("partial"))
 
 
-register_op_rules({attn_res_mix: rowwise("partial", "blocks", cost=_attn_res_cost)})
+def _attn_res_norm_cost(call: CostCall) -> Cost:
+    return Cost(_attn_res_cost(call).flops + 4 * call.numel("partial"))
+
+
+register_op_rules({
+    attn_res_mix: rowwise("partial", "blocks", cost=_attn_res_cost),
+    attn_res_mix_norm: rowwise("partial", "blocks", cost=_attn_res_norm_cost),
+})
 
 # --------------------------------------------------------------------------- kda
 # Everything here is per head (or per channel of a head): under TP the heads are split, so
