@@ -9,7 +9,7 @@ End to end: ``tiny-h24`` with MXFP4 experts compiled for ``h200`` at TP2 / DCP2 
 mission pass changes the decode graph: MXFP4 experts, the deduplicated MoE tail, the fused
 KDA decode step, the DCP split with its all-to-all merge, the heads padded to the split-KV
 kernel's tile) runs on two gloo ranks, first with the torch references, then with the
-Triton kernels. Greedy tokens are the same, logits within ``TOLERANCE``, and every k3 op
+Triton kernels (and the AttnRes mixes fused with their norms). Greedy tokens are the same, logits within ``TOLERANCE``, and every k3 op
 node with a Triton kernel launched exactly its kernels (counted per kernel by
 ``k3compile.runtime.kernels.kernel_launches``): no op fell back to its reference. Once
 with the model dtype's MLA cache and once with an FP8 one (``--kv-cache-dtype fp8``: the
@@ -48,6 +48,8 @@ TOLERANCE = 1e-4
 #: split-KV with a combine (the interpreter counts as 8 SMs: several KV splits).
 KERNELS_OF_OP = {
     "k3.rms_norm.default": ("_rms_norm_kernel",),
+    "k3.attn_res_mix.default": ("_attn_res_mix_kernel",),
+    "k3.attn_res_mix_norm.default": ("_attn_res_mix_kernel",),
     "k3.sigmoid_topk_route.default": ("_route_kernel",),
     "k3.moe_experts_mxfp4.default": ("_expert_gemm_kernel", "_expert_gemm_kernel", "_combine_kernel"),
     "k3.add_rank_block_linear.default": ("_rows_gemv_add_kernel",),
@@ -58,7 +60,9 @@ KERNELS_OF_OP = {
 }
 #: ... and with an FP8 cache
 FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
-MOE_TAIL = {"_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel", "_rows_gemv_add_kernel"}
+#: kernels of both phases: the AttnRes mixes (fused with their norms), the MoE tail
+BOTH_PHASES = {"_attn_res_mix_kernel", "_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel",
+               "_rows_gemv_add_kernel"}
 DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel", "_dcp_pack_kernel",
                "_dcp_merge_kernel"}
 
@@ -120,7 +124,7 @@ def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(
     assert (info.target, info.tp, info.dcp, info.block_size) == ("h200", 2, 2, 64)
     changed = {p["pass"] for p in info.passes if p["phase"] == "decode" and p["changed"]}
     assert {"mxfp4_experts", "dedup_replicated_linear", "fuse_kda_decode", "split_mla_context",
-            "pad_attention_heads"} <= changed
+            "pad_attention_heads", "fuse_attn_res_norm"} <= changed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' Triton interprets, on a GPU machine too
     with RankPool(2) as ranks:
@@ -134,9 +138,9 @@ def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(
         assert ref["launches"] == [{}] * NEW_TOKENS  # the references launch no Triton kernel
         prefill, decode = tri["launches"]
         writes = {"_mla_cache_write_fp8_kernel"} if fp8 else set()
-        assert prefill == _expected_launches(rank["ops"]["prefill"], fp8) and set(prefill) == MOE_TAIL | writes
+        assert prefill == _expected_launches(rank["ops"]["prefill"], fp8) and set(prefill) == BOTH_PHASES | writes
         assert decode == _expected_launches(rank["ops"]["decode"], fp8)
-        assert set(decode) == MOE_TAIL | DECODE_ONLY | writes
+        assert set(decode) == BOTH_PHASES | DECODE_ONLY | writes
         assert decode["kda_decode_kernel"] == 3 and decode["_mla_decode_split_kv_kernel"] == 2  # KDA, MLA layers
 
 
