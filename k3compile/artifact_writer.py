@@ -23,7 +23,8 @@ import torch
 from torch.export import ExportedProgram
 
 import k3compile
-from k3compile.artifact import (
+from k3compile.artifact import check_no_pickle, checkpoint_index_hash, list_files, sha256_file
+from k3compile.artifact_manifest import (
     DTYPES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -31,10 +32,6 @@ from k3compile.artifact import (
     MANIFEST_SEAL,
     SHARDING_FORMAT,
     ArtifactError,
-    check_no_pickle,
-    checkpoint_index_hash,
-    list_files,
-    sha256_file,
 )
 from k3compile.capture import CapturedModel
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec

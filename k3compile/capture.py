@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
-from k3compile.artifact import CaptureStats
+from k3compile.artifact_manifest import CaptureStats
 from k3compile.batch import Batch, CacheShape, allocate_caches, flatten_caches, unflatten_caches
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup

@@ -18,8 +18,6 @@ import torch
 
 from k3compile.artifact import (
     ALLOW_OTHER_TORCH,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     ArtifactError,
     ArtifactWarning,
     check_no_pickle,
@@ -27,6 +25,7 @@ from k3compile.artifact import (
     read_artifact_info,
     torch_release,
 )
+from k3compile.artifact_manifest import FORMAT_NAME, FORMAT_VERSION
 from k3compile.artifact_writer import save_artifact, write_manifest
 from k3compile.batch import CacheShape, flatten_caches
 from k3compile.capture import capture

@@ -21,7 +21,7 @@ from k3compile.pipeline import default_pass_names
 from k3compile.targets import get_target
 
 from cli_runs import assert_one_line_error, invoke
-from k3compile.artifact import MANIFEST
+from k3compile.artifact_manifest import MANIFEST
 from k3compile.artifact_writer import write_manifest
 from k3compile.batch import CacheShape
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
