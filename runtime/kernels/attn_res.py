@@ -7,14 +7,15 @@ sums, softmax, weighted sum, cast back), each over a few KB at decode; K3 runs t
 per layer and one before the head.
 
 ``_attn_res_mix_kernel``: one program per token row, the row (K3: 7168 wide) held in
-registers across up to 32 warps. The candidates ``[*blocks, partial]`` arrive as a tuple of
+registers across up to 16 warps. The candidates ``[*blocks, partial]`` arrive as a tuple of
 pointers (one specialisation per candidate count; K3 has at most 9) and are read once
 each, by an online softmax over candidates: for each v_i, the logit
 ``<v_i, norm_w * proj_w> * rsqrt(mean(v_i^2) + eps)`` (the reference's score, its
 normalisation factored out of the sum; both sums in one paired reduction), then the
-running maximum, the rescaled sum of weights and the rescaled weighted sum of the raw v_i. With ``NORM`` the mix is rounded to
-the activation dtype (what the reference stores between its two ops) and normalised by
-RMSNorm with its own weight and eps before one store.
+running maximum, the rescaled sum of weights and the rescaled weighted sum of the raw
+v_i. With ``NORM`` the mix is rounded to the activation dtype (what the reference stores
+between its two ops) and normalised by RMSNorm with its own weight and eps before one
+store.
 
 At decode a mix is a few rows: its time is memory latency, not bandwidth. Reading each
 candidate's whole row in one unrolled load (all candidates in flight together) takes one
@@ -36,7 +37,7 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_si
 #: candidates one launch takes (K3: 8 finished blocks + the partial sum); beyond, the reference
 MAX_CANDIDATES = 16
 #: rows wider than this are left to the reference: a row is held in registers, at most
-#: VALUES_PER_THREAD values of each candidate per thread at 32 warps
+#: VALUES_PER_THREAD values of each candidate per thread (16 warps at 8,192)
 MAX_WIDTH = 8192
 VALUES_PER_THREAD = 16
 
@@ -87,8 +88,8 @@ def _constexprs(n: int, width: int, norm: bool) -> dict[str, object]:
 
 
 def _num_warps(width: int) -> int:
-    """Warps for one row: VALUES_PER_THREAD values of it per thread (K3's 7168: 32 warps)."""
-    return max(1, min(32, triton.next_power_of_2(width) // (32 * VALUES_PER_THREAD)))
+    """Warps for one row: VALUES_PER_THREAD values of it per thread (K3's 7168: 16 warps)."""
+    return max(1, min(16, triton.next_power_of_2(width) // (32 * VALUES_PER_THREAD)))
 
 
 def _launch(partial: Tensor, blocks: list[Tensor], proj: Tensor, norm: Tensor, eps: float,
