@@ -28,9 +28,9 @@ dropped (``torch.export.save`` would otherwise write them with ``torch.save`` in
 ``data/sample_inputs/model.pt``), and every written archive is scanned. Loading never
 executes code from the artifact: the manifest and rank files are JSON, the ``code/``
 dumps are only hashed, and each ``.pt2`` is scanned *before* ``torch.export.load`` sees
-it (no pickled payloads, no nested ``torch.save`` archives, no compiled AOTInductor
-libraries, no legacy-format members), so ``torch.export.load`` only parses JSON and raw
-tensor bytes. Nothing compiled is stored either: an artifact lowered with Inductor
+it against an allow-list of what k3compile writes (:mod:`k3compile.archive_check`:
+member names, payloads, shape expressions, guards, node targets), so
+``torch.export.load`` only parses JSON and raw tensor bytes and resolves operators. Nothing compiled is stored either: an artifact lowered with Inductor
 (``"lowering": "inductor"``) is compiled by the runtime when it loads.
 
 Writes (:mod:`k3compile.artifact_writer`) are atomic: everything is written and fsynced
@@ -51,7 +51,6 @@ import hashlib
 import json
 import os
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -59,6 +58,7 @@ from typing import Any, Literal
 import torch
 from torch.export import ExportedProgram
 
+from k3compile.archive_check import check_archive
 from k3compile.artifact_manifest import (
     MANIFEST,
     MANIFEST_SEAL,
@@ -75,8 +75,6 @@ from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
 #: Set to 1 to load an artifact written by another torch release with a warning instead
 #: of an error (the runtime and the CLI load with the default check).
 ALLOW_OTHER_TORCH = "K3COMPILE_ALLOW_OTHER_TORCH"
-_PICKLE_PROTO = b"\x80"
-_ZIP_MAGIC = b"PK\x03\x04"
 
 
 class ArtifactWarning(UserWarning):
@@ -144,63 +142,6 @@ def list_files(root: Path) -> dict[str, Path]:
                 raise ArtifactError(f"{root}: '{rel}' is not a regular file")
             out[rel] = p
     return out
-
-
-# ---------------------------------------------------------------------------
-# The .pt2 archives: scan before loading
-# ---------------------------------------------------------------------------
-
-
-def check_no_pickle(path: str | Path, label: str | None = None) -> None:
-    """Raise :class:`ArtifactError` unless the ``.pt2`` archive at ``path`` can be loaded
-    without unpickling or running anything: no member starting with a pickle protocol
-    header, no nested zip (a ``torch.save`` archive holds a pickle), no non-empty
-    ``.pt``/``.pkl``, no payload marked ``use_pickle``, no AOTInductor libraries, and the
-    current (not the legacy, pickle-based) archive layout. Raw tensor payloads named by
-    the weights/constants configs are bytes read with ``frombuffer``: they are exempt
-    from the header check (a tensor's first byte may well be 0x80)."""
-    path = Path(path)
-    label = label or path.name
-    try:
-        zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ArtifactError(f"{label}: not a torch.export archive ({e})") from e
-    with zf:
-        infos = zf.infolist()
-        # Members sit under one root folder (the file's stem when it was written).
-        roots = {i.filename.split("/", 1)[0] for i in infos}
-        if len(roots) != 1:
-            raise ArtifactError(f"{label}: expected one archive root folder, found {sorted(roots)}")
-        (root,) = roots
-        members = {i.filename[len(root) + 1 :]: i for i in infos if not i.is_dir()}
-        if "models/model.json" not in members:
-            raise ArtifactError(f"{label}: no 'models/model.json' (not a current torch.export archive)")
-        raw_payloads: set[str] = set()
-        for name, info in members.items():
-            for base in ("data/weights/", "data/constants/"):
-                if name.startswith(base) and name.endswith("_config.json"):
-                    try:
-                        config = json.loads(zf.read(info))["config"]
-                        entries = list(config.items())
-                    except (ValueError, KeyError, TypeError, AttributeError) as e:
-                        raise ArtifactError(f"{label}: member '{name}' is not a payload config ({e})") from e
-                    for fqn, meta in entries:
-                        if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
-                            raise ArtifactError(f"{label}: '{fqn}' in '{name}' is stored as a pickle")
-                        raw_payloads.add(base + str(meta.get("path_name")))
-        for name, info in members.items():
-            if name.startswith("data/aotinductor/") or name.endswith((".so", ".dll", ".dylib")):
-                raise ArtifactError(f"{label}: member '{name}' is compiled code; artifacts hold none")
-            if name.endswith((".pt", ".pkl", ".pickle")) and info.file_size > 0:
-                raise ArtifactError(f"{label}: member '{name}' is a non-empty torch.save/pickle file")
-            if name in raw_payloads:
-                continue
-            with zf.open(info) as f:
-                head = f.read(4)
-            if head.startswith(_PICKLE_PROTO):
-                raise ArtifactError(f"{label}: member '{name}' is a pickle (starts with protocol header 0x80)")
-            if head == _ZIP_MAGIC:
-                raise ArtifactError(f"{label}: member '{name}' is a nested zip (a torch.save archive holds a pickle)")
 
 
 # ---------------------------------------------------------------------------
@@ -360,7 +301,7 @@ def load_artifact(
             raise ArtifactError(f"{label}: disagrees with sharding/rank0.json about {diff[:3]}")
     assert specs is not None
     for phase in info.phases:
-        check_no_pickle(root / f"{phase}.pt2", f"{phase}.pt2")
+        check_archive(root / f"{phase}.pt2", f"{phase}.pt2")
     programs: dict[str, ExportedProgram] = {}
     for phase in info.phases:
         try:

@@ -23,7 +23,8 @@ import torch
 from torch.export import ExportedProgram
 
 import k3compile
-from k3compile.artifact import check_no_pickle, checkpoint_index_hash, list_files, sha256_file
+from k3compile.archive_check import check_archive
+from k3compile.artifact import checkpoint_index_hash, list_files, sha256_file
 from k3compile.artifact_manifest import (
     DTYPES,
     FORMAT_NAME,
@@ -217,7 +218,7 @@ def save_artifact(
         for phase, program in captured.programs.items():
             path = tmp / f"{phase}.pt2"
             _save_program(program, path)
-            check_no_pickle(path, f"{phase}.pt2")
+            check_archive(path, f"{phase}.pt2")
             header = f"# k3compile artifact: the {phase} program, for reading only (never executed).\n\n"
             _write_bytes(tmp / "code" / f"{phase}.py", (header + str(program)).encode())
         for rank in range(tp):

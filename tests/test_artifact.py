@@ -20,11 +20,11 @@ from k3compile.artifact import (
     ALLOW_OTHER_TORCH,
     ArtifactError,
     ArtifactWarning,
-    check_no_pickle,
     load_artifact,
     read_artifact_info,
     torch_release,
 )
+from k3compile.archive_check import check_archive
 from k3compile.artifact_manifest import FORMAT_NAME, FORMAT_VERSION
 from k3compile.artifact_writer import save_artifact, write_manifest
 from k3compile.batch import CacheShape, flatten_caches
@@ -129,7 +129,7 @@ def test_layout_and_manifest(saved, captured, model_dir):
 
 def test_no_pickle_in_programs(saved, captured):
     for phase in ("decode", "prefill"):
-        check_no_pickle(saved / f"{phase}.pt2")
+        check_archive(saved / f"{phase}.pt2")
         with zipfile.ZipFile(saved / f"{phase}.pt2") as z:
             for info in z.infolist():
                 if info.filename.endswith((".pt", ".pkl")):
@@ -338,9 +338,10 @@ def test_world_size_mismatch(saved):
 @pytest.mark.parametrize(
     "member, payload, message",
     [
-        ("extra/blob", pickle.dumps({"x": 1}), r"'extra/blob' is a pickle"),
-        ("data/sample_inputs/other.pkl", pickle.dumps(1), r"non-empty torch.save/pickle"),
-        ("data/weights/weight_9", None, r"nested zip"),  # torch.save output: a zip with a pickle
+        ("extra/blob", pickle.dumps({"x": 1}), r"member 'extra/blob' is not one k3compile writes"),
+        ("data/sample_inputs/other.pkl", pickle.dumps(1), r"'data/sample_inputs/other.pkl' is not one k3compile"),
+        # torch.save output (a zip with a pickle) as a payload no config names
+        ("data/weights/weight_9", None, r"'data/weights/weight_9' is not one k3compile writes"),
     ],
 )
 def test_pickle_inside_pt2(copy, member, payload, message):
