@@ -38,7 +38,8 @@ in a hidden temporary sibling of ``OUT`` (``.OUT.tmp-*``) and renamed onto ``OUT
 replacing an existing artifact renames the old one away first and deletes it last, so a
 failure leaves the old ``OUT`` or none, never a partial one. Loading checks format and
 version, every file's size and sha256, missing and unexpected files, the world size, and
-the source checkpoint's index hash, and raises :class:`ArtifactError` naming the file
+the source checkpoint's index hash and each shard's identity (size, header and sampled
+content: :mod:`k3compile.checkpoint.identity`), and raises :class:`ArtifactError` naming the file
 and field that is wrong. Loading the programs also refuses an artifact whose manifest
 names another torch release than the running one (``2.13.0+cpu`` and ``2.13.0+cu128``
 are one release), naming both, unless the caller passes ``check_torch="warn"`` (or
@@ -68,6 +69,7 @@ from k3compile.artifact_manifest import (
     parse_manifest,
     parse_rank_file,
 )
+from k3compile.checkpoint.identity import CheckpointChanged, check_identity
 from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import K3Config
 from k3compile.sharding import ParallelPlan, ShardOffset, ShardSpec
@@ -201,7 +203,9 @@ def _check_checkpoint(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
                 f"{Path(info.model_dir) / INDEX_FILE}: the source checkpoint changed since compilation "
                 f"(index sha256 {digest}, the artifact was compiled against {info.checkpoint_index_sha256})"
             )
-    except ArtifactError as e:
+        else:
+            check_identity(Path(info.model_dir), info.checkpoint_shards)
+    except (ArtifactError, CheckpointChanged) as e:
         problem = str(e)
     _refuse_or_warn(problem, mode)
 
@@ -270,7 +274,7 @@ def load_artifact(
 ) -> LoadedArtifact:
     """Verify and load an artifact: its programs (without weights) and shard specs.
 
-    ``check_checkpoint``: True raises if the source checkpoint's index changed or is
+    ``check_checkpoint``: True raises if the source checkpoint's index or a shard changed or is
     gone, ``"warn"`` warns (:class:`ArtifactWarning`), False skips the check.
     ``check_torch``: the same for a manifest written by another torch release (the local
     build label, ``+cu128``, does not count); :data:`ALLOW_OTHER_TORCH` set to 1 turns

@@ -6,11 +6,13 @@ does, and :mod:`k3compile.artifact_writer` writes these files).
 
 ``manifest.json`` (format ``"k3compile-artifact"``, :data:`FORMAT_VERSION`)::
 
-    {"format": "k3compile-artifact", "format_version": 3,
+    {"format": "k3compile-artifact", "format_version": 4,
      "k3compile_version": "0.1.0", "torch_version": "2.13.0+cpu",
      "config": K3Config.to_dict(),
      "model_dir": "/abs/path/of/the/checkpoint",        # where the runtime reads weights
      "checkpoint_index_sha256": "<sha256 of model.safetensors.index.json>",
+     "checkpoint_shards": {"model-00001-of-00002.safetensors":  # k3compile/checkpoint/identity.py
+         {"size": 123, "header_sha256": "...", "sample_sha256": "..."}, ...},
      "dtype": "bfloat16", "block_size": 16,
      "kv_cache_dtype": "float8_e4m3fn",                  # the MLA caches': the model dtype or FP8
      "lowering": "inductor",                             # how the runtime runs the programs
@@ -31,18 +33,20 @@ does, and :mod:`k3compile.artifact_writer` writes these files).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from k3compile.checkpoint.identity import ShardIdentity
 from k3compile.config import K3Config
 from k3compile.mla_cache_fp8 import FP8_CACHE_DTYPES
 from k3compile.sharding import ParallelPlan, ShardingError, ShardOffset, ShardSpec
 from k3compile.targets import LOWERINGS
 
 FORMAT_NAME = "k3compile-artifact"
-FORMAT_VERSION = 3  # 2: kv_cache_dtype (FP8 MLA caches); 3: lowering
+FORMAT_VERSION = 4  # 2: kv_cache_dtype (FP8 MLA caches); 3: lowering; 4: checkpoint_shards
 SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
 #: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
@@ -83,6 +87,7 @@ class ArtifactInfo:
     config: K3Config
     model_dir: str
     checkpoint_index_sha256: str
+    checkpoint_shards: dict[str, ShardIdentity]  # per shard file: size and hashes (checkpoint/identity.py)
     dtype: torch.dtype
     block_size: int
     kv_cache_dtype: torch.dtype  # of the MLA caches (k3compile/mla_cache_fp8.py for FP8)
@@ -185,6 +190,21 @@ def _field(raw: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any
     return value
 
 
+def _parse_shards(raw: dict[str, Any]) -> dict[str, ShardIdentity]:
+    shards = {}
+    for name, entry in raw.items():
+        where = f"{MANIFEST}: field 'checkpoint_shards' entry {name!r}"
+        if not isinstance(entry, dict) or set(entry) != {"size", "header_sha256", "sample_sha256"}:
+            raise ArtifactError(f"{where} needs exactly 'size', 'header_sha256' and 'sample_sha256'")
+        size, header, sample = entry["size"], entry["header_sha256"], entry["sample_sha256"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ArtifactError(f"{where}: 'size' must be a non-negative integer")
+        if not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in (header, sample)):
+            raise ArtifactError(f"{where}: the hashes must be 64 hex digits")
+        shards[name] = ShardIdentity(size, header, sample)
+    return shards
+
+
 def parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
     if not isinstance(raw, dict):
         raise ArtifactError(f"{MANIFEST}: top level must be a JSON object")
@@ -260,6 +280,7 @@ def parse_manifest(raw: Any) -> tuple[ArtifactInfo, dict[str, dict[str, Any]]]:
         config=config,
         model_dir=_field(raw, "model_dir", str),
         checkpoint_index_sha256=_field(raw, "checkpoint_index_sha256", str),
+        checkpoint_shards=_parse_shards(_field(raw, "checkpoint_shards", dict)),
         dtype=DTYPES[dtype_name],
         block_size=block_size,
         kv_cache_dtype=KV_CACHE_DTYPES[kv_name],

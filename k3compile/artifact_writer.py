@@ -25,6 +25,7 @@ from torch.export import ExportedProgram
 import k3compile
 from k3compile.archive_check import check_archive
 from k3compile.artifact import checkpoint_index_hash, list_files, sha256_file
+from k3compile.checkpoint.identity import CheckpointChanged, checkpoint_identity
 from k3compile.artifact_manifest import (
     DTYPES,
     FORMAT_NAME,
@@ -209,6 +210,10 @@ def save_artifact(
             raise ArtifactError(f"phase name {phase!r} is not an identifier (it names the artifact's files)")
     _check_params_have_specs(captured)
     index_sha = checkpoint_index_hash(model_dir)
+    try:
+        shards = checkpoint_identity(model_dir)
+    except CheckpointChanged as e:
+        raise ArtifactError(str(e)) from e
     tp = captured.plan.tp
     dtype = _dtype_name(captured.dtype)
 
@@ -237,6 +242,7 @@ def save_artifact(
             "config": captured.config.to_dict(),
             "model_dir": str(model_dir),
             "checkpoint_index_sha256": index_sha,
+            "checkpoint_shards": {name: identity.to_dict() for name, identity in shards.items()},
             "dtype": dtype,
             "block_size": captured.block_size,
             "kv_cache_dtype": str(captured.mla_cache_dtype).removeprefix("torch."),

@@ -110,7 +110,7 @@ def test_layout_and_manifest(saved, captured, model_dir):
         "sharding/rank0.json",
     ]
     m = json.loads((saved / "manifest.json").read_text())
-    assert m["format"] == FORMAT_NAME and m["format_version"] == FORMAT_VERSION == 3
+    assert m["format"] == FORMAT_NAME and m["format_version"] == FORMAT_VERSION == 4
     assert m["torch_version"] == torch.__version__ and m["k3compile_version"]
     assert m["config"] == json.loads(json.dumps(PRESETS["tiny"].to_dict()))
     assert m["model_dir"] == str(Path(model_dir).resolve()) and Path(m["model_dir"]).is_absolute()
@@ -241,8 +241,8 @@ def test_truncated_code_dump(copy):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("format_version", 4, r"'format_version' is 4 \(written by a newer k3compile\)"),
-        ("format_version", 2, r"'format_version' is 2; this k3compile reads version 3"),
+        ("format_version", 5, r"'format_version' is 5 \(written by a newer k3compile\)"),
+        ("format_version", 3, r"'format_version' is 3; this k3compile reads version 4"),
         ("format_version", "1", r"'format_version' has type str"),
         ("format", "something-else", r"field 'format' is 'something-else'"),
         ("dtype", "int8", r"field 'dtype' is 'int8'"),
@@ -250,6 +250,11 @@ def test_truncated_code_dump(copy):
         ("lowering", "aot", r"field 'lowering' is 'aot', expected one of inductor, eager"),
         ("config", {"hidden_size": 3}, r"field 'config' is not a valid K3 config"),
         ("parallel", {"tp": 1, "dcp": 2}, r"parallel.dcp"),
+        ("checkpoint_shards", {"a.safetensors": {"size": 1}}, r"'a.safetensors' needs exactly 'size', 'header_sha256'"),
+        ("checkpoint_shards", {"a.safetensors": {"size": -1, "header_sha256": "0" * 64, "sample_sha256": "0" * 64}},
+         r"'size' must be a non-negative integer"),
+        ("checkpoint_shards", {"a.safetensors": {"size": 1, "header_sha256": "x", "sample_sha256": "0" * 64}},
+         r"the hashes must be 64 hex digits"),
     ],
 )
 def test_bad_manifest_field(copy, field, value, message):
@@ -390,6 +395,37 @@ def test_changed_checkpoint(tmp_path, captured_tp2, model_dir):
     index.unlink()
     with pytest.raises(ArtifactError, match="missing checkpoint index"):
         read_artifact_info(out)
+
+
+def test_regenerated_or_damaged_weights_are_refused_naming_the_shard(tmp_path, captured_tp2, model_dir):
+    """Weights regenerated with another seed have the same index and headers: the sampled
+    content tells them apart. A shard cut short, or with another tensor list, is named too."""
+    ckpt = Path(shutil.copytree(model_dir, tmp_path / "ckpt"))
+    out = save_artifact(tmp_path / "art", captured_tp2, ckpt, "cpu", [])
+    manifest = json.loads((out / "manifest.json").read_text())
+    shards = sorted(manifest["checkpoint_shards"])
+    assert shards == sorted(p.name for p in ckpt.glob("*.safetensors"))
+    other = generate_model_dir(PRESETS["tiny"], tmp_path / "other", GenerateOptions(seed=2))
+    assert (other / INDEX_FILE).read_text() == (ckpt / INDEX_FILE).read_text()  # same layout, other weights
+    victim = ckpt / shards[-1]
+    shutil.copyfile(other / shards[-1], victim)
+    with pytest.raises(ArtifactError, match=rf"{victim.name}: its weights changed since compilation"):
+        load_artifact(out)
+    shutil.copyfile(model_dir / shards[-1], victim)
+    load_artifact(out)  # restored: loads again
+    with victim.open("r+b") as f:
+        f.truncate(victim.stat().st_size - 4)
+    with pytest.raises(ArtifactError, match=rf"{victim.name}: \d+ bytes, \d+ when the artifact was compiled"):
+        load_artifact(out)
+    shutil.copyfile(model_dir / shards[-1], victim)
+    data = bytearray(victim.read_bytes())
+    data[12] ^= 0x01  # inside the JSON header
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=rf"{victim.name}: its tensor list \(safetensors header\) changed"):
+        load_artifact(out)
+    victim.unlink()
+    with pytest.raises(ArtifactError, match=rf"{victim.name}: missing"):
+        load_artifact(out)
 
 
 # ---------------------------------------------------------------------------
