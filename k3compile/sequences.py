@@ -9,6 +9,7 @@ and leaves all sequences and caches as they were.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,11 @@ from k3compile.context_parallel import SCRATCH_SLOT, ContextLayout
 
 class RequestError(ValueError):
     """A request that cannot be served (no state was changed)."""
+
+
+def is_whole_number(value: object) -> bool:
+    """An int (or numpy integer), not a bool or a float: what token ids and counts must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -69,14 +75,21 @@ class SequenceTable:
         return seq_id
 
     def release(self, seq_id: int) -> None:
+        if seq_id not in self.sequences:
+            raise RequestError(f"unknown sequence {seq_id!r} (never started, or released already)")
         seq = self.sequences.pop(seq_id)
         self.free_slots.append(seq.slot)
         self.free_blocks.extend(seq.blocks)
 
     def check_tokens(self, tokens: list[list[int]]) -> None:
         for i, toks in enumerate(tokens):
+            if not isinstance(toks, (list, tuple)):
+                raise RequestError(f"request {i}: a list of token ids needed, got {toks!r:.60}")
             if not toks:
                 raise RequestError(f"request {i}: empty prompt")
+            not_ids = [t for t in toks if not is_whole_number(t)]
+            if not_ids:
+                raise RequestError(f"request {i}: token {not_ids[0]!r} is not an integer token id")
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"request {i}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
@@ -190,6 +203,8 @@ def generate_tokens(
     Sequences are released at the end, also on error."""
     import time
 
+    if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
+        raise RequestError(f"max_new_tokens: a whole number >= 0 needed, got {max_new_tokens!r}")
     start = time.perf_counter()
     ids, logits = engine.prefill(prompts)
     sync()

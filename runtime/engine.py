@@ -53,7 +53,7 @@ from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
 from k3compile.runtime.decode_graphs import DecodeGraphs
 from k3compile.runtime.sampling import SamplingParams, sample
-from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens
+from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens, is_whole_number
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import LOWERINGS, get_target
 
@@ -312,11 +312,26 @@ class Runtime:
         """:meth:`generate` with the prefill and decode time (device-synchronised). The first
         token of each prompt is picked on the host from the prefill's logits, the rest by
         :meth:`decode_tokens` (on the device under CUDA graphs, read back once)."""
+        self._check_generation(prompts, max_new_tokens)
         gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
         pick = lambda logits: sample(logits, sampling, gen).tolist()  # noqa: E731
         decode = lambda ids, tokens, steps: self.decode_tokens(ids, tokens, steps, sampling, gen)  # noqa: E731
         return generate_tokens(self, prompts, max_new_tokens, pick, sync, decode_tokens=decode)
+
+    def _check_generation(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Refuse, before any work, a generation that could not finish: bad prompts or
+        ``max_new_tokens``, free slots, or final lengths beyond ``max_context`` (the cache
+        holds ``max_context`` tokens for every slot, so a sequence within it has its blocks)."""
+        if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens: a whole number >= 0 needed, got {max_new_tokens!r}")
+        self.table.check_new(prompts)
+        # The last new token is returned, never fed back: it takes no cache position.
+        lengths = [len(p) + max(max_new_tokens - 1, 0) for p in prompts]
+        longest = max(range(len(prompts)), key=lambda i: lengths[i])
+        if lengths[longest] > self.options.max_context:
+            raise RequestError(f"request {longest}: {len(prompts[longest])} prompt tokens and {max_new_tokens} new "
+                               f"ones need {lengths[longest]} positions, max_context is {self.options.max_context}")
 
     def decode_tokens(self, seq_ids: list[int], tokens: list[int], steps: int,
                       sampling: SamplingParams = SamplingParams(),

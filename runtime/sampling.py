@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from k3compile.sequences import is_whole_number
 
 
 @dataclass(frozen=True)
@@ -18,12 +22,23 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t = self.temperature
+        if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
+        if not is_whole_number(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be a whole number >= 0, got {self.top_k!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not is_whole_number(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be a whole number in [0, 2**64), got {self.seed!r}")
+
+
+#: the smallest temperature above 0: logits / temperature stay finite in fp32 (|logits| < 3e30)
+MIN_TEMPERATURE = 1e-8
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:

@@ -1,0 +1,80 @@
+"""Requests and sampling options are checked at the API boundary, before any work: each
+bad value is refused with an error naming the field and what it accepts, and the runtime
+is left as it was (no sequence started, no cache block taken). Issue #22."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from k3compile import runtime
+from k3compile.runtime import RuntimeOptions, SamplingParams
+from k3compile.sequences import RequestError
+
+
+@pytest.fixture(scope="module")
+def rt(compile_once):
+    out = compile_once("tiny", dtype="float32", validate=False).out_dir
+    return runtime.load(out, options=RuntimeOptions(max_sequences=2, max_context=32, device="cpu"))
+
+
+def _untouched(rt) -> tuple[int, int, int]:
+    return len(rt.table.sequences), len(rt.table.free_slots), len(rt.table.free_blocks)
+
+
+@pytest.mark.parametrize("prompts, max_new, message", [
+    ([[1, 2.5]], 2, r"request 0: token 2\.5 is not an integer token id"),
+    ([[1, True]], 2, r"request 0: token True is not an integer token id"),
+    (["1 2 3"], 2, r"request 0: a list of token ids needed, got '1 2 3'"),
+    ([[]], 2, r"request 0: empty prompt"),
+    ([[1, 2]], -1, r"max_new_tokens: a whole number >= 0 needed, got -1"),
+    ([[1, 2]], 2.0, r"max_new_tokens: a whole number >= 0 needed, got 2\.0"),
+    ([[1, 2]], "4", r"max_new_tokens: a whole number >= 0 needed, got '4'"),
+    ([[1, 2], [3] * 20], 16, r"request 1: 20 prompt tokens and 16 new ones need 35 positions, max_context is 32"),
+    ([[1], [2], [3]], 2, r"3 new sequences but only 2 free slots"),
+])
+def test_a_bad_generation_is_refused_before_any_work(rt, prompts, max_new, message):
+    before = _untouched(rt)
+    with pytest.raises(RequestError, match=message):
+        rt.generate(prompts, max_new)
+    assert _untouched(rt) == before
+
+
+def test_a_generation_that_fits_exactly_runs(rt):
+    """The last new token takes no cache position: 20 + 13 - 1 = 32 fits max_context 32."""
+    tokens = rt.generate([[3] * 20], 13)
+    assert len(tokens[0]) == 13
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(temperature=math.nan), r"temperature must be 0 \(greedy\) or a finite number >= 1e-08, got nan"),
+    (dict(temperature=1e-30), r"temperature must be 0 \(greedy\) or a finite number >= 1e-08, got 1e-30"),
+    (dict(temperature=math.inf), r"got inf"),
+    (dict(temperature=-1.0), r"got -1\.0"),
+    (dict(temperature=True), r"got True"),
+    (dict(top_k=2.5), r"top_k must be a whole number >= 0, got 2\.5"),
+    (dict(top_k=-1), r"top_k must be a whole number >= 0, got -1"),
+    (dict(top_p=math.nan), r"top_p must be in \(0, 1\], got nan"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0\.0"),
+    (dict(seed=2**64), r"seed must be a whole number in \[0, 2\*\*64\), got 18446744073709551616"),
+    (dict(seed=-1), r"seed must be a whole number in \[0, 2\*\*64\), got -1"),
+    (dict(seed=1.5), r"got 1\.5"),
+])
+def test_bad_sampling_options_are_refused_when_made(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+def test_the_largest_seed_and_smallest_temperature_are_accepted(rt):
+    params = SamplingParams(temperature=1e-8, top_k=3, seed=2**64 - 1)
+    assert len(rt.generate([[5, 6]], 3, params)[0]) == 3
+
+
+def test_releasing_an_unknown_sequence_is_a_request_error(rt):
+    with pytest.raises(RequestError, match=r"unknown sequence 12345 \(never started, or released already\)"):
+        rt.release(12345)
+    (seq,), _ = rt.prefill([[1, 2]])
+    rt.release(seq)
+    with pytest.raises(RequestError, match=rf"unknown sequence {seq} "):
+        rt.release(seq)
