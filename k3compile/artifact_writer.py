@@ -10,6 +10,7 @@ sharding files, and installs the result atomically (temp dir + rename).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import io
 import json
@@ -176,6 +177,34 @@ def check_output_dir(out_dir: str | Path, overwrite: bool = False) -> None:
             raise ArtifactError(f"{out} already exists (pass overwrite=True to replace it)")
         if not out.is_dir() or out.is_symlink() or not (_is_artifact(out) or not any(out.iterdir())):
             raise ArtifactError(f"refusing to overwrite {out}: it is not a k3compile artifact")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ArtifactError(f"cannot write {out}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ArtifactError(f"cannot write {out}: {ancestor} is not writable")
+
+
+def _temporary(out: Path, kind: str) -> Path:
+    """A fresh hidden sibling of ``out`` named after this process (``.OUT.<kind>-<pid>-*``).
+    Half-written ``tmp`` siblings that processes no longer alive left (an interrupted save)
+    are removed first; an ``old`` one holds a whole previous artifact and is left alone."""
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp-*-*") if kind == "tmp" else []:
+        pid = stale.name[len(out.name) + len(".tmp-") + 1:].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-{os.getpid()}-", dir=out.parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def save_artifact(
@@ -218,7 +247,7 @@ def save_artifact(
     dtype = _dtype_name(captured.dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = _temporary(out, "tmp")
     try:
         for phase, program in captured.programs.items():
             path = tmp / f"{phase}.pt2"
@@ -279,7 +308,7 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> None:
         return
     if not overwrite:  # appeared while we were writing
         raise ArtifactError(f"{out} already exists (pass overwrite=True to replace it)")
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old = _temporary(out, "old")
     os.rmdir(old)  # a unique name for the old artifact
     os.replace(out, old)
     try:

@@ -8,7 +8,10 @@ import hashlib
 import io
 import json
 import pickle
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -26,7 +29,7 @@ from k3compile.artifact import (
 )
 from k3compile.archive_check import check_archive
 from k3compile.artifact_manifest import FORMAT_NAME, FORMAT_VERSION
-from k3compile.artifact_writer import save_artifact, write_manifest
+from k3compile.artifact_writer import check_output_dir, save_artifact, write_manifest
 from k3compile.batch import CacheShape, flatten_caches
 from k3compile.capture import capture
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
@@ -453,6 +456,30 @@ def test_failed_save_leaves_old_artifact(copy, captured_tp2, model_dir):
     with pytest.raises(ArtifactError, match="not JSON-serialisable"):
         save_artifact(fresh, captured_tp2, model_dir, "cpu", [object()])
     assert not fresh.exists() and _hidden(copy.parent) == []
+
+
+def test_an_interrupted_save_is_cleaned_up_by_the_next(tmp_path, captured_tp2, model_dir):
+    """A killed ``optimize`` leaves ``.OUT.tmp-<pid>-*``: the next save of OUT removes it
+    when that process is gone, and keeps a live process's (a concurrent save)."""
+    out = tmp_path / "art"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".art.tmp-{int(dead.stdout)}-x1y2"
+    live = tmp_path / f".art.tmp-{os.getpid()}-z3"
+    for folder in (stale, live):
+        (folder / "code").mkdir(parents=True)
+        (folder / "code" / "decode.py").write_text("half written")
+    save_artifact(out, captured_tp2, model_dir, "cpu", [])
+    assert not stale.exists() and live.exists()
+    assert sorted(_hidden(tmp_path)) == [live.name]
+
+
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path, captured_tp2, model_dir):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ArtifactError, match=rf"cannot write {blocker}/sub/art: {blocker} is not a directory"):
+        check_output_dir(blocker / "sub" / "art")
+    with pytest.raises(ArtifactError, match="is not a directory"):
+        save_artifact(blocker / "art", captured_tp2, model_dir, "cpu", [])
 
 
 def test_overwrite_replaces(copy, captured_tp2, model_dir):
