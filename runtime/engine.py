@@ -52,6 +52,7 @@ from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_param
 from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
 from k3compile.runtime.decode_graphs import DecodeGraphs
+from k3compile.runtime.memory_budget import cache_bytes, check_fits, weight_bytes
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens, is_whole_number
 from k3compile.sharding import ParallelPlan
@@ -85,6 +86,10 @@ class RuntimeOptions:
     lowering: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_sequences", "max_context"):
+            value = getattr(self, name)
+            if not is_whole_number(value) or value < 1:
+                raise ValueError(f"RuntimeOptions.{name}: a whole number >= 1 needed, got {value!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"RuntimeOptions.kernels: unknown choice {self.kernels!r}; "
                              f"choose one of {', '.join(KERNELS)}")
@@ -217,6 +222,9 @@ class Runtime:
         shape = CacheShape(
             num_slots=options.max_sequences + 1, num_blocks=options.max_sequences * blocks_per_seq + 1, block_size=bs
         )
+        check_fits(device, weight_bytes(artifact.programs["decode"]),
+                   cache_bytes(self.cfg, self.plan, shape, info.dtype, info.kv_cache_dtype),
+                   f"max_sequences={options.max_sequences} and max_context={options.max_context}")
         self.caches = allocate_caches(self.cfg, self.plan, shape, info.dtype, device, info.kv_cache_dtype)
         self.cache_tensors = flatten_caches(self.caches)
         self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1, layout=self.layout)

@@ -483,3 +483,19 @@ def test_the_index_decides_the_experts_format(ckpt, tmp_path):
     d = broken(ckpt("tiny", "mxfp4"), tmp_path / "mixed", add_a_dense_expert)
     with pytest.raises(CheckpointError, match="some routed experts are MXFP4 .* and some bf16"):
         load_checkpoint_config(d)
+
+
+def test_a_checkpoint_too_large_for_the_disk_is_refused_before_writing(tmp_path):
+    """A config with a vocabulary of 10^12 would need petabytes: refused up front, nothing
+    written. The estimate is within 10% of what a real generation writes (headers aside)."""
+    from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir, stored_bytes
+
+    huge = PRESETS["tiny"].replace(vocab_size=10**12)
+    with pytest.raises(ValueError, match=r"the checkpoint would take \d+\.\d GiB; .* GiB free"):
+        generate_model_dir(huge, tmp_path / "huge")
+    assert list(tmp_path.iterdir()) == []
+    for experts in ("bf16", "mxfp4"):
+        out = generate_model_dir(PRESETS["tiny"], tmp_path / experts, GenerateOptions(seed=0, experts=experts))
+        written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        cfg = PRESETS["tiny"].replace(expert_format=experts)
+        assert 0.9 * written <= stored_bytes(cfg) <= written  # the safetensors headers are not counted

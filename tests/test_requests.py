@@ -78,3 +78,17 @@ def test_releasing_an_unknown_sequence_is_a_request_error(rt):
     rt.release(seq)
     with pytest.raises(RequestError, match=rf"unknown sequence {seq} "):
         rt.release(seq)
+
+
+def test_caches_beyond_the_device_memory_are_refused_before_allocating(compile_once):
+    """10^9 tokens per sequence: the caches would be hundreds of GiB; refused with the sizes."""
+    out = compile_once("tiny", dtype="float32", validate=False).out_dir
+    with pytest.raises(RequestError, match=r"max_sequences=2 and max_context=1000000000 need [\d.]+ GiB of caches "
+                                           r"and 0\.0 GiB of weights; cpu has [\d.]+ GiB free"):
+        runtime.load(out, options=RuntimeOptions(max_sequences=2, max_context=10**9, device="cpu"))
+
+
+@pytest.mark.parametrize("field, value", [("max_context", 0), ("max_sequences", 2.5), ("max_context", "4096")])
+def test_runtime_capacity_options_are_whole_numbers(field, value):
+    with pytest.raises(ValueError, match=rf"RuntimeOptions\.{field}: a whole number >= 1 needed, got {value!r}"):
+        RuntimeOptions(**{field: value})

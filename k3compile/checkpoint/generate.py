@@ -92,6 +92,21 @@ def _checkpoint_specs(cfg: K3Config) -> list[ShardSpec]:
     return list(shard_specs(model).values())
 
 
+class NotEnoughSpace(ValueError):
+    """The checkpoint would not fit the free disk space where it is to be written."""
+
+
+def stored_bytes(cfg: K3Config) -> int:
+    """Bytes of the checkpoint's tensors as stored (MXFP4 experts: half a byte per value
+    and one scale byte per 32), before any is drawn."""
+    total = 0
+    for _, spec in checkpoint_tensors(cfg):
+        numel = math.prod(spec.shape)
+        total += numel // 2 + numel // 32 if spec.quantized and cfg.expert_format == "mxfp4" else \
+            numel * CHECKPOINT_TORCH_DTYPES[spec.dtype].itemsize
+    return total
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
@@ -257,6 +272,10 @@ def generate_model_dir(
     stats = stats if stats is not None else GenerateStats()
     stats.experts = fmt
     out.parent.mkdir(parents=True, exist_ok=True)
+    need, free = stored_bytes(written), shutil.disk_usage(out.parent).free
+    if need > free:
+        raise NotEnoughSpace(f"the checkpoint would take {need / 2**30:.1f} GiB; {out.parent} has {free / 2**30:.1f} "
+                         "GiB free (check the config's sizes)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)
     try:

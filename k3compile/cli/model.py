@@ -92,7 +92,7 @@ def init_model(
 
     One TP8 rank's real shapes, 4 layers (about 8 GB): k3compile init-model ./rank-slice --preset k3-tp8-rank --layers 4
     """
-    from k3compile.checkpoint.generate import GenerateOptions, GenerateStats, generate_model_dir
+    from k3compile.checkpoint.generate import GenerateOptions, GenerateStats, NotEnoughSpace, generate_model_dir
     from k3compile.config import with_layers
     from k3compile.model import count_parameters
 
@@ -110,7 +110,7 @@ def init_model(
         start = time.perf_counter()
         generate_model_dir(cfg, out_dir, GenerateOptions(experts=fmt, seed=seed, shard_bytes=shard_bytes), stats=stats)
         elapsed = time.perf_counter() - start
-    except (UserError, ConfigError, FileExistsError) as e:
+    except (UserError, ConfigError, FileExistsError, NotEnoughSpace) as e:
         fail(str(e))
 
     files = sorted(p for p in out_dir.iterdir() if p.is_file())
