@@ -34,7 +34,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # The reference model, the checkpoint generator, the eager reference engine.
     "model": ("k3compile.model", "k3compile.checkpoint.generate", "k3compile.reference"),
     # The artifact format: read by the runtime, written by the compiler.
-    "artifact": ("k3compile.artifact", "k3compile.artifact_manifest"),
+    "artifact": ("k3compile.artifact", "k3compile.artifact_manifest", "k3compile.archive_check"),
     # Serving.
     "runtime": ("k3compile.runtime",),
     # The placement analysis and the k3 ops' rules.
