@@ -48,7 +48,7 @@ from k3compile.batch import (
     flatten_caches,
     zero_state_slot,
 )
-from k3compile.checkpoint.loader import CheckpointReader, LoadReport, fill_parameter
+from k3compile.checkpoint.loader import CheckpointError, CheckpointReader, LoadReport, fill_parameter
 from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
 from k3compile.runtime.decode_graphs import DecodeGraphs
@@ -68,6 +68,10 @@ __all__ = ["KERNELS", "Runtime", "RuntimeOptions", "load", "RequestError"]
 KERNELS = ("auto", "reference", "triton")
 
 
+class NonFiniteLogits(RuntimeError):
+    """A step produced NaN or Inf logits (raised under ``RuntimeOptions.check_finite``)."""
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """Cache capacity and execution choices of one runtime."""
@@ -84,6 +88,9 @@ class RuntimeOptions:
     #: how to run the programs (one of targets.LOWERINGS); None: as the artifact records on a
     #: GPU, op by op on the CPU (where artifacts for GPU targets run for tests and checks)
     lowering: str | None = None
+    #: a debug check: name a weight holding NaN or Inf when loading, and refuse every step
+    #: whose logits are not finite (one device synchronisation per step)
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "max_context"):
@@ -176,9 +183,11 @@ def load_rank_weights(
     plan: ParallelPlan,
     device: torch.device,
     on_progress: Callable[[int, int], None] | None = None,
+    check_finite: bool = False,
 ) -> tuple[dict[str, Tensor], LoadReport]:
     """Every program parameter (this rank's slice, read from the source checkpoint) and
-    every per-rank constant buffer."""
+    every per-rank constant buffer; with ``check_finite`` a floating parameter holding NaN
+    or Inf is a CheckpointError naming it and its checkpoint tensors."""
     report = LoadReport()
     weights: dict[str, Tensor] = {name: c.tensor(plan, device) for name, c in artifact.constants.items()}
     prefix = artifact.config.checkpoint_prefix
@@ -188,6 +197,9 @@ def load_rank_weights(
             meta = program.state_dict[name]
             param = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             fill_parameter(reader, name, artifact.specs[name], plan, param, report)
+            if check_finite and param.is_floating_point() and not bool(torch.isfinite(param).all()):
+                raise CheckpointError(f"parameter {name} (checkpoint {', '.join(artifact.specs[name].names[:2])}"
+                                      f"{', ...' if len(artifact.specs[name].names) > 2 else ''}): holds NaN or Inf")
             weights[name] = param
             if on_progress:
                 on_progress(i + 1, len(names))
@@ -229,7 +241,7 @@ class Runtime:
         self.cache_tensors = flatten_caches(self.caches)
         self.table = SequenceTable(self.cfg.vocab_size, shape, reserved_slots=1, reserved_blocks=1, layout=self.layout)
         self.weights, self.load_report = load_rank_weights(
-            artifact, artifact.programs["decode"], self.plan, device, on_progress
+            artifact, artifact.programs["decode"], self.plan, device, on_progress, options.check_finite
         )
         #: each phase's program as an fx module, and as the runtime calls it (lowered)
         self.graph_modules: dict[str, torch.fx.GraphModule] = {}
@@ -277,6 +289,8 @@ class Runtime:
             ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=self.device)
             logits = self._run("decode" if decode else "prefill", ids, batch, module)
         self.table.advance(seq_ids, counts)
+        if self.options.check_finite and not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits(f"sequences {seq_ids}: this step's logits hold NaN or Inf (check_finite)")
         return logits
 
     def prefill(self, prompts: list[list[int]]) -> tuple[list[int], Tensor]:

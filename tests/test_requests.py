@@ -4,7 +4,9 @@ is left as it was (no sequence started, no cache block taken). Issue #22."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,36 @@ def test_caches_beyond_the_device_memory_are_refused_before_allocating(compile_o
 def test_runtime_capacity_options_are_whole_numbers(field, value):
     with pytest.raises(ValueError, match=rf"RuntimeOptions\.{field}: a whole number >= 1 needed, got {value!r}"):
         RuntimeOptions(**{field: value})
+
+
+def test_check_finite_names_a_nan_weight_and_stops_at_nan_logits(model_dirs, tmp_path):
+    """A debug check (off by default): a weight holding NaN is named at load; a step whose
+    logits are not finite (here a KDA state poisoned after the prefill) stops the run."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.compiler import CompileOptions, optimize
+    from k3compile.runtime.engine import NonFiniteLogits
+
+    model_dir = Path(shutil.copytree(model_dirs("tiny"), tmp_path / "m"))
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "language_model.model.layers.2.post_attention_layernorm.weight"
+    tensors = load_file(model_dir / index[name])
+    tensors[name][5] = float("nan")
+    save_file(tensors, model_dir / index[name], metadata={"format": "pt"})
+    out = optimize(model_dir, tmp_path / "a", CompileOptions(dtype="float32")).out_dir
+    checked = RuntimeOptions(max_sequences=1, max_context=16, device="cpu", check_finite=True)
+    with pytest.raises(CheckpointError, match=r"parameter k3\.model\.layers\.2\.post_attention_layernorm\.weight "
+                                              r"\(checkpoint model\.layers\.2\.post_attention_layernorm\.weight\): "
+                                              r"holds NaN or Inf"):
+        runtime.load(out, options=checked)
+
+    clean = optimize(model_dirs("tiny"), tmp_path / "b", CompileOptions(dtype="float32")).out_dir
+    rt = runtime.load(clean, options=checked)
+    (seq,), logits = rt.prefill([[1, 2, 3]])
+    state = next(t for t in rt.cache_tensors if t.dim() == 4)  # a KDA recurrent state [slots, H, D, D]
+    state.fill_(float("nan"))
+    with pytest.raises(NonFiniteLogits, match=rf"sequences \[{seq}\]: this step's logits hold NaN or Inf"):
+        rt.decode([seq], [int(logits.argmax())])

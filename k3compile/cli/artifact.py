@@ -272,9 +272,10 @@ def runtime_errors() -> tuple[type[Exception], ...]:
     """What loading and running an artifact raise for a problem the user can fix."""
     from k3compile.artifact import ArtifactError
     from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.runtime.engine import NonFiniteLogits
     from k3compile.sequences import RequestError
 
-    return UserError, ArtifactError, CheckpointError, ConfigError, RequestError
+    return UserError, ArtifactError, CheckpointError, ConfigError, RequestError, NonFiniteLogits
 
 
 def check_runtime_choices(device: str | None, kernels: str) -> None:
@@ -399,6 +400,11 @@ def run_command(
                      "was compiled with (a check). Example: --kv-cache-dtype fp8", show_default=False),
     ] = None,
     inductor: InductorOption = None,
+    check_finite: Annotated[
+        bool,
+        typer.Option("--check-finite", help="Debug check: name a weight holding NaN or Inf when loading, and stop "
+                     "at a step whose logits are not finite (one device sync per step). Example: --check-finite"),
+    ] = False,
 ) -> None:
     """Load a compiled artifact with the runtime and generate tokens.
 
@@ -435,7 +441,7 @@ def run_command(
         options = RuntimeOptions(
             max_sequences=len(prompts), max_context=max_context, device=device,
             cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
-            lowering=lowering_choice(inductor),
+            lowering=lowering_choice(inductor), check_finite=check_finite,
         )
         rt, load_s = load_runtime(out, options, launch)
         result = rt.generate_timed(prompts, max_new_tokens, sampling)
