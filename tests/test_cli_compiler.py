@@ -235,7 +235,7 @@ def test_run_seeded_sampling_is_reproducible(compiled, reference_tokens, tmp_pat
     "args, message",
     [
         (["--prompt", "1 512"], "--prompt #1: token id 512 is outside the vocabulary [0, 512)"),
-        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or a finite number >= 1e-08, got -1.0"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--max-context", "8", "--max-new-tokens", "2"], "prompt 0 has 8 tokens: with --max-new-tokens 2 it needs a context of 9"),
         (["--device", "tpu"], "--device: unknown device 'tpu'"),
