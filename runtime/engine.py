@@ -26,6 +26,7 @@ Prefill runs eagerly (its packed shapes vary).
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from collections.abc import Callable
@@ -91,8 +92,14 @@ class RuntimeOptions:
     #: a debug check: name a weight holding NaN or Inf when loading, and refuse every step
     #: whose logits are not finite (one device synchronisation per step)
     check_finite: bool = False
+    #: seconds a rank waits for the others to join the process group, and for any
+    #: collective, before it stops with an error (a rank that died leaves the rest waiting)
+    start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.start_timeout_s, (int, float)) or not 0 < self.start_timeout_s < float("inf"):
+            raise ValueError(f"RuntimeOptions.start_timeout_s: a positive number of seconds needed, "
+                             f"got {self.start_timeout_s!r}")
         for name in ("max_sequences", "max_context"):
             value = getattr(self, name)
             if not is_whole_number(value) or value < 1:
@@ -164,14 +171,28 @@ def use_kernels(kernels: str, device: torch.device) -> bool:
     return triton
 
 
-def init_distributed(world_size: int, device: torch.device) -> int:
-    """Join (or create) the default process group; returns this process's rank."""
+class RanksMissing(RuntimeError):
+    """Not every rank joined the process group in time (one failed to start or died)."""
+
+
+def init_distributed(world_size: int, device: torch.device, timeout_s: float = 300.0) -> int:
+    """Join (or create) the default process group, waiting at most ``timeout_s`` for the
+    other ranks (the same bound then applies to every collective); returns this process's rank."""
     if world_size == 1:
         return 0
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise RuntimeError(f"the artifact needs {world_size} ranks: start it with torchrun --nproc-per-node {world_size}")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except (dist.DistError, RuntimeError) as e:
+            if "timed out" not in str(e).lower():
+                raise
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise RanksMissing(f"rank {os.environ['RANK']}: not all {world_size} ranks joined the process group at "
+                               f"{where} within {timeout_s:g} s (one failed to start or stopped); "
+                               f"{str(e).splitlines()[0]}") from None
     if dist.get_world_size() != world_size:
         raise RuntimeError(f"artifact compiled for tp={world_size}, process group has {dist.get_world_size()} ranks")
     return dist.get_rank()
@@ -404,5 +425,5 @@ def load(
     info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
     if rank is None:
-        rank = init_distributed(artifact.info.tp, device)
+        rank = init_distributed(artifact.info.tp, device, options.start_timeout_s)
     return Runtime(artifact, rank, device, options, on_progress)

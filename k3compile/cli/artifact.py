@@ -272,10 +272,10 @@ def runtime_errors() -> tuple[type[Exception], ...]:
     """What loading and running an artifact raise for a problem the user can fix."""
     from k3compile.artifact import ArtifactError
     from k3compile.checkpoint.loader import CheckpointError
-    from k3compile.runtime.engine import NonFiniteLogits
+    from k3compile.runtime.engine import NonFiniteLogits, RanksMissing
     from k3compile.sequences import RequestError
 
-    return UserError, ArtifactError, CheckpointError, ConfigError, RequestError, NonFiniteLogits
+    return UserError, ArtifactError, CheckpointError, ConfigError, RequestError, NonFiniteLogits, RanksMissing
 
 
 def check_runtime_choices(device: str | None, kernels: str) -> None:
