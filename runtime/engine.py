@@ -90,7 +90,8 @@ class RuntimeOptions:
     #: GPU, op by op on the CPU (where artifacts for GPU targets run for tests and checks)
     lowering: str | None = None
     #: a debug check: name a weight holding NaN or Inf when loading, and refuse every step
-    #: whose logits are not finite (one device synchronisation per step)
+    #: whose logits are not finite (one device synchronisation per step; decode_tokens then
+    #: steps through the host, each step's logits checked)
     check_finite: bool = False
     #: seconds a rank waits for the others to join the process group, and for any
     #: collective, before it stops with an error (a rank that died leaves the rest waiting)
@@ -393,7 +394,7 @@ class Runtime:
             if self.table.sequences[s].length + steps > self.options.max_context:
                 raise RequestError(f"sequence {s}: {steps} more tokens go beyond capacity "
                                    f"({self.options.max_context} tokens)")
-        if self.graphs is None or len(seq_ids) > self.graphs.max_batch:
+        if self.graphs is None or len(seq_ids) > self.graphs.max_batch or self.options.check_finite:
             if generator is None:
                 generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
             out: list[list[int]] = [[] for _ in seq_ids]
