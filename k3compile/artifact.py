@@ -49,6 +49,7 @@ are one release), naming both, unless the caller passes ``check_torch="warn"`` (
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import warnings
@@ -63,6 +64,8 @@ from k3compile.archive_check import check_archive
 from k3compile.artifact_manifest import (
     MANIFEST,
     MANIFEST_SEAL,
+    MANIFEST_SIGNATURE,
+    SIGN_KEY_ENV,
     ArtifactError,
     ArtifactInfo,
     parse_constants,
@@ -164,6 +167,7 @@ def _verify_files(root: Path, info: ArtifactInfo, files: dict[str, dict[str, Any
     present = list_files(root)
     present.pop(MANIFEST, None)
     present.pop(MANIFEST_SEAL, None)
+    present.pop(MANIFEST_SIGNATURE, None)
     missing, extra = sorted(set(files) - set(present)), sorted(set(present) - set(files))
     if missing:
         raise ArtifactError(f"{root / missing[0]}: missing (listed in {MANIFEST})")
@@ -231,6 +235,26 @@ def _check_torch(info: ArtifactInfo, mode: bool | Literal["warn"]) -> None:
     )
 
 
+def manifest_signature(key: str, manifest_bytes: bytes) -> str:
+    """HMAC-SHA256 of the manifest's bytes under ``key`` (hex)."""
+    return hmac.new(key.encode(), manifest_bytes, hashlib.sha256).hexdigest()
+
+
+def _check_signature(root: Path, manifest_bytes: bytes) -> None:
+    """With a key in ``K3COMPILE_SIGN_KEY``, the manifest must carry a signature made with
+    it (an artifact edited after signing, or signed with another key, is refused); without
+    a key nothing is checked: the seal alone catches damage, not an attacker."""
+    key = os.environ.get(SIGN_KEY_ENV)
+    if not key:
+        return
+    path = root / MANIFEST_SIGNATURE
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing: the artifact is not signed, and {SIGN_KEY_ENV} asks for a signature")
+    if not hmac.compare_digest(path.read_text().strip(), manifest_signature(key, manifest_bytes)):
+        raise ArtifactError(f"{path}: does not match the key in {SIGN_KEY_ENV} (signed with another key, "
+                            "or the artifact was changed after signing)")
+
+
 def read_artifact_info(
     out_dir: str | Path,
     world_size: int | None = None,
@@ -251,6 +275,7 @@ def read_artifact_info(
     expected = seal.read_text().strip()
     if hashlib.sha256(manifest_bytes).hexdigest() != expected:
         raise ArtifactError(f"{manifest}: sha256 differs from {MANIFEST_SEAL} (the manifest was modified)")
+    _check_signature(root, manifest_bytes)
     try:
         raw = json.loads(manifest_bytes)
     except (ValueError, UnicodeDecodeError) as e:

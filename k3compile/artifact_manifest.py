@@ -51,6 +51,10 @@ SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
 #: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
 MANIFEST_SEAL = "manifest.sha256"
+#: HMAC-SHA256 of manifest.json's bytes under the key in SIGN_KEY_ENV, written when the key
+#: is set; the manifest lists every other file's sha256, so it signs the whole artifact.
+MANIFEST_SIGNATURE = "manifest.hmac"
+SIGN_KEY_ENV = "K3COMPILE_SIGN_KEY"
 
 #: Model dtypes an artifact may name (manifest string <-> torch dtype); never getattr.
 DTYPES: dict[str, torch.dtype] = {

@@ -25,7 +25,7 @@ from torch.export import ExportedProgram
 
 import k3compile
 from k3compile.archive_check import check_archive
-from k3compile.artifact import checkpoint_index_hash, list_files, sha256_file
+from k3compile.artifact import checkpoint_index_hash, list_files, manifest_signature, sha256_file
 from k3compile.checkpoint.identity import CheckpointChanged, checkpoint_identity
 from k3compile.artifact_manifest import (
     DTYPES,
@@ -33,7 +33,9 @@ from k3compile.artifact_manifest import (
     FORMAT_VERSION,
     MANIFEST,
     MANIFEST_SEAL,
+    MANIFEST_SIGNATURE,
     SHARDING_FORMAT,
+    SIGN_KEY_ENV,
     ArtifactError,
 )
 from k3compile.capture import CapturedModel
@@ -103,8 +105,15 @@ def _save_program(program: ExportedProgram, path: Path) -> None:
 
 
 def _write_manifest_bytes(root: Path, data: bytes) -> None:
+    """The manifest, its checksum, and with a key in ``K3COMPILE_SIGN_KEY`` its signature
+    (without one, a signature left from before is removed: it no longer matches)."""
     _write_bytes(root / MANIFEST, data)
     _write_bytes(root / MANIFEST_SEAL, (hashlib.sha256(data).hexdigest() + "\n").encode())
+    key = os.environ.get(SIGN_KEY_ENV)
+    if key:
+        _write_bytes(root / MANIFEST_SIGNATURE, (manifest_signature(key, data) + "\n").encode())
+    else:
+        (root / MANIFEST_SIGNATURE).unlink(missing_ok=True)
 
 
 def write_manifest(root: str | Path, manifest: dict[str, Any]) -> None:

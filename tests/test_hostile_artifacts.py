@@ -192,3 +192,30 @@ def test_what_torch_writes_passes_the_grammars(expr):
 def test_shape_expression_grammar_refuses_anything_else(expr):
     with pytest.raises(ArchiveRefused, match="shape expression"):
         check_shape_expr(expr)
+
+
+def test_a_signed_artifact_edited_without_the_key_is_refused(saved, tmp_path, monkeypatch):
+    """With K3COMPILE_SIGN_KEY the writer signs the manifest (HMAC-SHA256) and loading
+    requires that signature: an attacker without the key can recompute every hash but not
+    the signature. Without the key nothing is checked beyond the seal."""
+    monkeypatch.setenv("K3COMPILE_SIGN_KEY", "the right key")
+    signed = Path(shutil.copytree(saved, tmp_path / "signed"))
+    write_manifest(signed, json.loads((signed / "manifest.json").read_text()))  # re-sealed with the key: signed
+    signature = (signed / "manifest.hmac").read_text()
+    assert len(signature.strip()) == 64
+    load_artifact(signed)
+
+    monkeypatch.setenv("K3COMPILE_SIGN_KEY", "another key")
+    with pytest.raises(ArtifactError, match=r"manifest\.hmac: does not match the key in K3COMPILE_SIGN_KEY"):
+        load_artifact(signed)
+
+    monkeypatch.delenv("K3COMPILE_SIGN_KEY")  # the attacker: edits and reseals without the key
+    edited = _edit_program(signed, tmp_path / "edit", lambda m: m.__setitem__("archive_version", b"0"))
+    assert not (edited / "manifest.hmac").exists()
+    load_artifact(edited)  # no key: only the seal, which the attacker recomputed
+    monkeypatch.setenv("K3COMPILE_SIGN_KEY", "the right key")
+    with pytest.raises(ArtifactError, match=r"manifest\.hmac: missing: the artifact is not signed"):
+        load_artifact(edited)
+    (edited / "manifest.hmac").write_text(signature)  # the old signature copied back
+    with pytest.raises(ArtifactError, match=r"does not match .* changed after signing"):
+        load_artifact(edited)
