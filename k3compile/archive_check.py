@@ -77,27 +77,29 @@ class ArchiveRefused(ArtifactError):
     """An archive holds something k3compile does not write; the message names it."""
 
 
+def _tokens(pattern: re.Pattern[str], text: str, what: str) -> Iterator[re.Match[str]]:
+    """The tokens of ``pattern`` that cover ``text`` end to end; refuses anything else."""
+    pos = 0
+    while pos < len(text):
+        m = pattern.match(text, pos)
+        if m is None or m.end() == pos:
+            raise ArchiveRefused(f"{what} {text[:80]!r}: unexpected text at {text[pos:pos + 20]!r}")
+        yield m
+        pos = m.end()
+
+
 def check_shape_expr(expr: str) -> None:
     """Refuse a shape expression that is not a plain sympy ``srepr`` (see the module docstring)."""
-    pos = 0
-    while pos < len(expr):
-        m = _EXPR_TOKEN.match(expr, pos)
-        if m is None or m.end() == pos:
-            raise ArchiveRefused(f"shape expression {expr[:80]!r}: unexpected text at {expr[pos:pos + 20]!r}")
+    for m in _tokens(_EXPR_TOKEN, expr, "shape expression"):
         name = m.group("name")
         if name is not None and name not in _SYMPY_NAMES:
             raise ArchiveRefused(f"shape expression {expr[:80]!r}: {name!r} is not a sympy name shapes use")
-        pos = m.end()
 
 
 def check_guard(code: str) -> None:
     """Refuse a guard that is not a comparison of input sizes and integers."""
-    pos = 0
-    while pos < len(code):
-        m = _GUARD_TOKEN.match(code, pos)
-        if m is None or m.end() == pos:
-            raise ArchiveRefused(f"guard {code[:80]!r}: unexpected text at {code[pos:pos + 20]!r}")
-        pos = m.end()
+    for _ in _tokens(_GUARD_TOKEN, code, "guard"):
+        pass
 
 
 def check_target(target: str) -> None:

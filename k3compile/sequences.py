@@ -28,6 +28,12 @@ def is_whole_number(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_max_new_tokens(max_new_tokens: object) -> None:
+    """A RequestError unless ``max_new_tokens`` is a whole number >= 0."""
+    if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
+        raise RequestError(f"max_new_tokens: a whole number >= 0 needed, got {max_new_tokens!r}")
+
+
 @dataclass
 class Sequence:
     slot: int
@@ -203,8 +209,7 @@ def generate_tokens(
     Sequences are released at the end, also on error."""
     import time
 
-    if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
-        raise RequestError(f"max_new_tokens: a whole number >= 0 needed, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     start = time.perf_counter()
     ids, logits = engine.prefill(prompts)
     sync()

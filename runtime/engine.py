@@ -55,7 +55,8 @@ from k3compile.distributed import init_context_parallel
 from k3compile.runtime.decode_graphs import DecodeGraphs
 from k3compile.runtime.memory_budget import cache_bytes, check_fits, weight_bytes
 from k3compile.runtime.sampling import SamplingParams, sample
-from k3compile.sequences import Generation, RequestError, SequenceTable, generate_tokens, is_whole_number
+from k3compile.sequences import (Generation, RequestError, SequenceTable, check_max_new_tokens, generate_tokens,
+                                  is_whole_number)
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import LOWERINGS, get_target
 
@@ -367,8 +368,7 @@ class Runtime:
         """Refuse, before any work, a generation that could not finish: bad prompts or
         ``max_new_tokens``, free slots, or final lengths beyond ``max_context`` (the cache
         holds ``max_context`` tokens for every slot, so a sequence within it has its blocks)."""
-        if not is_whole_number(max_new_tokens) or max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens: a whole number >= 0 needed, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         self.table.check_new(prompts)
         # The last new token is returned, never fed back: it takes no cache position.
         lengths = [len(p) + max(max_new_tokens - 1, 0) for p in prompts]

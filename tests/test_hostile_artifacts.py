@@ -67,11 +67,17 @@ def _edit_program(saved: Path, tmp_path: Path, edit: Callable[[dict[str, bytes]]
     with zipfile.ZipFile(path, "w") as z:
         for name, data in members.items():
             z.writestr(f"{root}/{name}", data)
+    _reseal(out)
+    return out
+
+
+def _reseal(out: Path) -> None:
+    """Recompute the manifest's hash and size of the decode archive, as an attacker would."""
+    path = out / "decode.pt2"
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["files"]["decode.pt2"] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                                        "size": path.stat().st_size}
     write_manifest(out, manifest)
-    return out
 
 
 def _edit_json(name: str, change: Callable[[dict], None]) -> Callable[[dict[str, bytes]], None]:
@@ -166,10 +172,7 @@ def test_paths_outside_the_archive_links_and_oversized_version_files_are_refused
         info = zipfile.ZipInfo(z.namelist()[0].split("/", 1)[0] + "/models/link")
         info.external_attr = (0o120777 << 16)
         z.writestr(info, "/etc/passwd")
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["files"]["decode.pt2"] = {"sha256": hashlib.sha256((out / "decode.pt2").read_bytes()).hexdigest(),
-                                       "size": (out / "decode.pt2").stat().st_size}
-    write_manifest(out, manifest)
+    _reseal(out)
     with pytest.raises(ArtifactError, match=r"is a directory, a link or a duplicate"):
         load_artifact(out)
 
