@@ -19,6 +19,6 @@ from k3compile.passes.pad_attention_heads import PadAttentionHeads
 from k3compile.pipeline.interface import PASSES as ALL_PASSES
 
 __all__ = [
-    "ALL_PASSES", "DedupReplicatedLinear", "FuseAttnResNorm", "FuseKDADecode", "MXFP4Experts", "PadAttentionHeads", "RemoveNoops",
-    "SinkCopies", "SplitMLAContext",
+    "ALL_PASSES", "DedupReplicatedLinear", "FuseAttnResNorm", "FuseKDADecode", "MXFP4Experts", "PadAttentionHeads",
+    "RemoveNoops", "SinkCopies", "SplitMLAContext",
 ]
