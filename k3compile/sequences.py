@@ -34,6 +34,17 @@ def check_max_new_tokens(max_new_tokens: object) -> None:
         raise RequestError(f"max_new_tokens: a whole number >= 0 needed, got {max_new_tokens!r}")
 
 
+class GenerationStopped(RuntimeError):
+    """A generation failed after its prefill. ``tokens`` holds each prompt's new tokens up
+    to the failure (all prompts advance together, so they hold the same number); the
+    failure itself is ``__cause__``, and the message says both."""
+
+    def __init__(self, tokens: list[list[int]], cause: BaseException):
+        done = len(tokens[0]) if tokens else 0
+        super().__init__(f"stopped after {done} new token(s) per prompt: {cause}")
+        self.tokens = tokens
+
+
 @dataclass
 class Sequence:
     slot: int
@@ -205,8 +216,11 @@ def generate_tokens(
 
     ``engine`` has ``prefill(prompts) -> (ids, logits)``, ``decode(ids, tokens)`` and
     ``release(id)`` (the reference engine and the runtime). ``decode_tokens(ids, tokens,
-    steps)``, where given, runs all decode steps at once, picking as ``pick`` would.
-    Sequences are released at the end, also on error."""
+    steps)``, where given, runs all decode steps at once, picking as ``pick`` would (and
+    raises GenerationStopped with the tokens it picked when a step fails).
+
+    A failure after the prefill raises :class:`GenerationStopped` holding the tokens made
+    so far. Sequences are released at the end, also on error."""
     import time
 
     check_max_new_tokens(max_new_tokens)
@@ -216,10 +230,15 @@ def generate_tokens(
     result = Generation([[] for _ in prompts], prefill_s=time.perf_counter() - start)
     start = time.perf_counter()
     try:
-        if decode_tokens is not None:
-            first = pick(logits)
-            rest = decode_tokens(ids, first, max_new_tokens - 1) if max_new_tokens > 1 else [[] for _ in ids]
-            result.tokens = [[t, *more] for t, more in zip(first, rest)]
+        if decode_tokens is not None and max_new_tokens > 0:
+            result.tokens = [[t] for t in pick(logits)]
+            try:
+                rest = decode_tokens(ids, [out[0] for out in result.tokens], max_new_tokens - 1)
+            except GenerationStopped as stopped:
+                cause = stopped.__cause__
+                raise GenerationStopped([[*out, *more] for out, more in zip(result.tokens, stopped.tokens)],
+                                        cause) from cause
+            result.tokens = [[*out, *more] for out, more in zip(result.tokens, rest)]
             result.decode_steps = max_new_tokens - 1
         for step in range(max_new_tokens if decode_tokens is None else 0):
             for out, token in zip(result.tokens, pick(logits)):
@@ -228,6 +247,10 @@ def generate_tokens(
                 logits = engine.decode(ids, [out[-1] for out in result.tokens])
                 result.decode_steps += 1
         sync()
+    except GenerationStopped:
+        raise
+    except Exception as e:
+        raise GenerationStopped(result.tokens, e) from e
     finally:
         for s in ids:
             engine.release(s)

@@ -26,15 +26,14 @@ Prefill runs eagerly (its packed shapes vary).
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
@@ -54,13 +53,14 @@ from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
 from k3compile.runtime.decode_graphs import DecodeGraphs
 from k3compile.runtime.memory_budget import cache_bytes, check_fits, weight_bytes
+from k3compile.runtime.rank_group import RankFailed, RanksMissing, RankWatch, init_distributed
 from k3compile.runtime.sampling import SamplingParams, sample
-from k3compile.sequences import (Generation, RequestError, SequenceTable, check_max_new_tokens, generate_tokens,
-                                  is_whole_number)
+from k3compile.sequences import (Generation, GenerationStopped, RequestError, SequenceTable, check_max_new_tokens,
+                                  generate_tokens, is_whole_number)
 from k3compile.sharding import ParallelPlan
 from k3compile.targets import LOWERINGS, get_target
 
-__all__ = ["KERNELS", "Runtime", "RuntimeOptions", "load", "RequestError"]
+__all__ = ["KERNELS", "RankFailed", "RanksMissing", "Runtime", "RuntimeOptions", "load", "RequestError"]
 
 
 #: What runs the k3 ops (``RuntimeOptions.kernels``): "auto" the Triton kernels on GPUs and
@@ -96,12 +96,12 @@ class RuntimeOptions:
     check_finite: bool = False
     #: seconds a rank waits for the others to join the process group, and for any
     #: collective, before it stops with an error (a rank that died leaves the rest waiting)
-    start_timeout_s: float = 300.0
+    rank_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.start_timeout_s, (int, float)) or not 0 < self.start_timeout_s < float("inf"):
-            raise ValueError(f"RuntimeOptions.start_timeout_s: a positive number of seconds needed, "
-                             f"got {self.start_timeout_s!r}")
+        if not isinstance(self.rank_timeout_s, (int, float)) or not 0 < self.rank_timeout_s < float("inf"):
+            raise ValueError(f"RuntimeOptions.rank_timeout_s: a positive number of seconds needed, "
+                             f"got {self.rank_timeout_s!r}")
         for name in ("max_sequences", "max_context"):
             value = getattr(self, name)
             if not is_whole_number(value) or value < 1:
@@ -173,33 +173,6 @@ def use_kernels(kernels: str, device: torch.device) -> bool:
     return triton
 
 
-class RanksMissing(RuntimeError):
-    """Not every rank joined the process group in time (one failed to start or died)."""
-
-
-def init_distributed(world_size: int, device: torch.device, timeout_s: float = 300.0) -> int:
-    """Join (or create) the default process group, waiting at most ``timeout_s`` for the
-    other ranks (the same bound then applies to every collective); returns this process's rank."""
-    if world_size == 1:
-        return 0
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise RuntimeError(f"the artifact needs {world_size} ranks: start it with torchrun --nproc-per-node {world_size}")
-        try:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        except (dist.DistError, RuntimeError) as e:
-            if "timed out" not in str(e).lower():
-                raise
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            raise RanksMissing(f"rank {os.environ['RANK']}: not all {world_size} ranks joined the process group at "
-                               f"{where} within {timeout_s:g} s (one failed to start or stopped); "
-                               f"{str(e).splitlines()[0]}") from None
-    if dist.get_world_size() != world_size:
-        raise RuntimeError(f"artifact compiled for tp={world_size}, process group has {dist.get_world_size()} ranks")
-    return dist.get_rank()
-
-
 def load_rank_weights(
     artifact: LoadedArtifact,
     program: ExportedProgram,
@@ -239,8 +212,12 @@ class Runtime:
         device: torch.device,
         options: RuntimeOptions,
         on_progress: Callable[[int, int], None] | None = None,
+        watch: RankWatch | None = None,
     ):
         info = artifact.info
+        #: names the rank that stopped when a step fails on a collective (None: one rank, or
+        #: a process group the caller made)
+        self.watch = watch
         check_kv_cache_dtype(options.kv_cache_dtype, info.kv_cache_dtype, info.dtype, get_target(info.target))
         self.artifact = artifact
         self.cfg = artifact.config
@@ -305,16 +282,29 @@ class Runtime:
                 )
         self.table.reserve(seq_ids, counts)
         decode = all(n == 1 for n in counts)
-        if decode and module is None and self.graphs is not None and len(seq_ids) <= self.graphs.max_batch:
-            logits = self.graphs.run(seq_ids, [t[0] for t in tokens])
-        else:
-            batch = self.table.make_batch(seq_ids, counts, decode, device=self.device)
-            ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=self.device)
-            logits = self._run("decode" if decode else "prefill", ids, batch, module)
+        with self._naming_failed_ranks("decode" if decode else "prefill"):
+            if decode and module is None and self.graphs is not None and len(seq_ids) <= self.graphs.max_batch:
+                logits = self.graphs.run(seq_ids, [t[0] for t in tokens])
+            else:
+                batch = self.table.make_batch(seq_ids, counts, decode, device=self.device)
+                ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=self.device)
+                logits = self._run("decode" if decode else "prefill", ids, batch, module)
         self.table.advance(seq_ids, counts)
         if self.options.check_finite and not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogits(f"sequences {seq_ids}: this step's logits hold NaN or Inf (check_finite)")
         return logits
+
+    @contextmanager
+    def _naming_failed_ranks(self, during: str) -> Iterator[None]:
+        """Raise :class:`RankFailed` naming the rank that stopped when the work inside fails
+        because of it (a collective's peer vanished or timed out); other errors pass."""
+        try:
+            yield
+        except RuntimeError as e:
+            failed = self.watch.explain(e, during) if self.watch is not None else None
+            if failed is None:
+                raise
+            raise failed from e
 
     def prefill(self, prompts: list[list[int]]) -> tuple[list[int], Tensor]:
         """Start one sequence per prompt; returns their ids and last-token logits."""
@@ -344,6 +334,8 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.graphs = None
+        if self.watch is not None:
+            self.watch.close()
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams()
@@ -386,7 +378,11 @@ class Runtime:
         (DecodeGraphs.decode_tokens: the device generator, seeded with ``sampling.seed``)
         and the host queues step after step without waiting; otherwise each step's logits
         come back and :func:`sample` picks on the host with ``generator`` (default: a CPU
-        generator seeded with ``sampling.seed``)."""
+        generator seeded with ``sampling.seed``).
+
+        A step that fails raises :class:`GenerationStopped` with the tokens picked before it
+        on the host path; under CUDA graphs, where tokens come back once at the end, the
+        failure itself is raised."""
         self.table.check_step(seq_ids, [[t] for t in tokens])
         if not isinstance(steps, int) or steps < 0:
             raise RequestError(f"steps: a number of decode steps >= 0 needed, got {steps!r}")
@@ -398,13 +394,17 @@ class Runtime:
             if generator is None:
                 generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
             out: list[list[int]] = [[] for _ in seq_ids]
-            for _ in range(steps):
-                tokens = sample(self.decode(seq_ids, tokens), sampling, generator).tolist()
-                for o, t in zip(out, tokens):
-                    o.append(t)
+            try:
+                for _ in range(steps):
+                    tokens = sample(self.decode(seq_ids, tokens), sampling, generator).tolist()
+                    for o, t in zip(out, tokens):
+                        o.append(t)
+            except (RuntimeError, ValueError) as e:
+                raise GenerationStopped(out, e) from e
             return out
         self.table.check_room(seq_ids, [steps] * len(seq_ids))
-        return self.graphs.decode_tokens(seq_ids, tokens, steps, sampling)
+        with self._naming_failed_ranks("decode"):
+            return self.graphs.decode_tokens(seq_ids, tokens, steps, sampling)
 
 
 def load(
@@ -426,5 +426,6 @@ def load(
     info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
     if rank is None:
-        rank = init_distributed(artifact.info.tp, device, options.start_timeout_s)
+        rank, watch = init_distributed(artifact.info.tp, device, options.rank_timeout_s)
+        return Runtime(artifact, rank, device, options, on_progress, watch)
     return Runtime(artifact, rank, device, options, on_progress)

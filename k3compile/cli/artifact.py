@@ -20,8 +20,10 @@ from k3compile.cli.options import (
     InductorOption,
     PromptFileOption,
     PromptOption,
+    RankTimeoutOption,
     at_least_one,
     check_kv_cache_choice,
+    check_rank_timeout,
     choice,
     lowering_choice,
     read_prompts,
@@ -258,12 +260,18 @@ class Launch:
             raise UserError(f"WORLD_SIZE={self.world_env!r} is not an integer")
 
     def fail(self, error: Exception) -> NoReturn:
-        """Leave the process group; rank 0 reports ``error`` as one line; exit status 2."""
+        """Leave the process group; rank 0 reports ``error`` as one line; exit status 2. An
+        error caused by a rank that stopped is reported by every surviving rank (rank 0 may
+        be the one that stopped), and the group is left as it is (leaving it waits for the
+        stopped rank)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        from k3compile.runtime.rank_group import RankFailed, RanksMissing
+
+        ranks_failed = isinstance(error, (RankFailed, RanksMissing)) or isinstance(error.__cause__, RankFailed)
+        if dist.is_initialized() and not ranks_failed:
             dist.destroy_process_group()
-        if self.rank == 0:
+        if self.rank == 0 or ranks_failed:
             fail(str(error))
         raise typer.Exit(USAGE_ERROR)
 
@@ -272,10 +280,12 @@ def runtime_errors() -> tuple[type[Exception], ...]:
     """What loading and running an artifact raise for a problem the user can fix."""
     from k3compile.artifact import ArtifactError
     from k3compile.checkpoint.loader import CheckpointError
-    from k3compile.runtime.engine import NonFiniteLogits, RanksMissing
-    from k3compile.sequences import RequestError
+    from k3compile.runtime.engine import NonFiniteLogits
+    from k3compile.runtime.rank_group import RankFailed, RanksMissing
+    from k3compile.sequences import GenerationStopped, RequestError
 
-    return UserError, ArtifactError, CheckpointError, ConfigError, RequestError, NonFiniteLogits, RanksMissing
+    return (UserError, ArtifactError, CheckpointError, ConfigError, RequestError, NonFiniteLogits, RanksMissing,
+            RankFailed, GenerationStopped)
 
 
 def check_runtime_choices(device: str | None, kernels: str) -> None:
@@ -400,6 +410,7 @@ def run_command(
                      "was compiled with (a check). Example: --kv-cache-dtype fp8", show_default=False),
     ] = None,
     inductor: InductorOption = None,
+    rank_timeout: RankTimeoutOption = 300.0,
     check_finite: Annotated[
         bool,
         typer.Option("--check-finite", help="Debug check: name a weight holding NaN or Inf when loading, and stop "
@@ -419,6 +430,7 @@ def run_command(
     import torch.distributed as dist
 
     from k3compile.runtime import RuntimeOptions, SamplingParams
+    from k3compile.sequences import GenerationStopped
 
     launch = Launch.from_env()
     try:
@@ -429,6 +441,7 @@ def run_command(
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
         check_runtime_choices(device, kernels)
+        check_rank_timeout(rank_timeout)
         info = read_runtime_artifact(out, launch, kv_cache_dtype, "run")
         prompts = read_prompts(prompt, prompt_file, info.config.vocab_size)
         for i, p in enumerate(prompts):
@@ -441,7 +454,7 @@ def run_command(
         options = RuntimeOptions(
             max_sequences=len(prompts), max_context=max_context, device=device,
             cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
-            lowering=lowering_choice(inductor), check_finite=check_finite,
+            lowering=lowering_choice(inductor), check_finite=check_finite, rank_timeout_s=rank_timeout,
         )
         rt, load_s = load_runtime(out, options, launch)
         result = rt.generate_timed(prompts, max_new_tokens, sampling)
@@ -451,6 +464,8 @@ def run_command(
         interpreted = rt.triton_kernels and on_device.type == "cpu"
         rt.close()
     except runtime_errors() as e:
+        if launch.rank == 0 and isinstance(e, GenerationStopped):
+            print_tokens(prompts, e.tokens)
         launch.fail(e)
     rank = launch.rank
     if rank == 0:

@@ -156,6 +156,22 @@ InductorOption = Annotated[
 ]
 
 
+RankTimeoutOption = Annotated[
+    float,
+    typer.Option(
+        "--rank-timeout",
+        help="Seconds a rank waits for the others: to join at start-up, and in every collective. A rank that "
+        "stopped then ends the others with an error naming it. Example: --rank-timeout 60",
+    ),
+]
+
+
+def check_rank_timeout(seconds: float) -> None:
+    """``--rank-timeout``: a positive, finite number of seconds."""
+    if not 0 < seconds < float("inf"):
+        raise UserError(f"--rank-timeout: a positive number of seconds needed, got {seconds}")
+
+
 def lowering_choice(inductor: bool | None) -> str | None:
     """--inductor/--no-inductor as a lowering (targets.LOWERINGS); None when not given."""
     return None if inductor is None else "inductor" if inductor else "eager"

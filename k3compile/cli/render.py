@@ -358,12 +358,15 @@ class Steps:
         self.status.stop()
 
 
-def print_tokens(prompts: Sequence[Sequence[int]], new: Sequence[Sequence[int]], load_s: float, prefill_s: float,
-                 decode_s: float) -> None:
-    """Each prompt with its new tokens, then the timing: load, prefill, decode per token."""
+def print_tokens(prompts: Sequence[Sequence[int]], new: Sequence[Sequence[int]], load_s: float | None = None,
+                 prefill_s: float = 0.0, decode_s: float = 0.0) -> None:
+    """Each prompt with its new tokens, then the timing: load, prefill, decode per token
+    (none without ``load_s``: the tokens of a generation that stopped)."""
     for i, (p, toks) in enumerate(zip(prompts, new)):
         console.print(f"prompt {i} ({len(p)} tokens): {' '.join(map(str, p))}", soft_wrap=True)
         console.print(f"  new tokens: {' '.join(map(str, toks))}", soft_wrap=True)
+    if load_s is None:
+        return
     decode_steps = max((len(t) for t in new), default=1) - 1
     timing = f"timing: load {load_s * 1e3:.0f} ms, prefill {prefill_s * 1e3:.1f} ms ({sum(map(len, prompts))} tokens)"
     if decode_steps > 0:

@@ -1,0 +1,108 @@
+"""A rank that never starts, dies or freezes ends the others within the timeout, with an
+error naming it, and a generation cut short returns the tokens made before. Real gloo
+ranks started by hand (RANK / WORLD_SIZE), real signals. Issue #22."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+TIMEOUT_S = 5
+NEW_TOKENS = 2000
+
+# One rank: greedy 16 tokens (the undisturbed tokens), a line saying it is decoding, then a
+# long generation of the same prompt; it prints what that generation returned or raised.
+RANK_SCRIPT = """
+import json, sys
+from k3compile import runtime
+from k3compile.runtime import RuntimeOptions
+from k3compile.sequences import GenerationStopped
+rt = runtime.load(sys.argv[1], options=RuntimeOptions(max_sequences=1, max_context={context}, device="cpu",
+                                                      rank_timeout_s={timeout}))
+first = rt.generate([[1, 2, 3]], 16)[0]
+print(json.dumps({{"decoding": first}}), flush=True)
+try:
+    rt.generate([[1, 2, 3]], {new})
+    print(json.dumps({{"finished": True}}), flush=True)
+except GenerationStopped as e:
+    print(json.dumps({{"stopped": str(e), "cause": type(e.__cause__).__name__, "tokens": e.tokens[0]}}), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def tp2(compile_once):
+    return compile_once("tiny", tp=2, dtype="float32").out_dir
+
+
+def test_a_rank_that_never_joins_is_named_within_the_timeout(tp2):
+    """Rank 0 started while rank 1 never starts: it stops after the timeout naming rank 1;
+    rank 1 started alone cannot reach the store rank 0 would host, and says so."""
+    code = ("from k3compile import runtime; from k3compile.runtime import RuntimeOptions; "
+            f"runtime.load({str(tp2)!r}, options=RuntimeOptions(max_sequences=1, max_context=16, device='cpu', "
+            "rank_timeout_s=3))")
+    for rank, message in [
+        (0, "RanksMissing: rank 0: not all 2 ranks joined the process group at 127.0.0.1:{port} within 3 s "
+            "(rank 1 never arrived)"),
+        (1, "RanksMissing: rank 1: cannot reach the rendezvous store at 127.0.0.1:{port} within 3 s "
+            "(rank 0 hosts it: it failed to start or stopped)"),
+    ]:
+        port = _free_port()
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", code], env=_rank_env(rank, port), capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode != 0 and time.monotonic() - start < 60
+        assert message.format(port=port) in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("victim, how, named", [
+    (1, signal.SIGKILL, "rank 1 stopped answering"),
+    (0, signal.SIGKILL, "the rendezvous store is gone (rank 0 hosted it and stopped)"),
+    (1, signal.SIGSTOP, "rank 1 stopped answering"),  # frozen: the survivor's collective times out
+])
+def test_a_rank_lost_during_decode_is_named_and_the_tokens_so_far_returned(tp2, victim, how, named):
+    script = RANK_SCRIPT.format(context=NEW_TOKENS + 8, timeout=TIMEOUT_S, new=NEW_TOKENS)
+    port = _free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(tp2)], env=_rank_env(r, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        undisturbed = [json.loads(p.stdout.readline())["decoding"] for p in ranks]
+        assert undisturbed[0] == undisturbed[1] and len(undisturbed[0]) == 16
+        time.sleep(1.0)  # into the long generation's decode steps
+        ranks[victim].send_signal(how)
+        lost = time.monotonic()
+        survivor = ranks[1 - victim]
+        out, err = survivor.communicate(timeout=TIMEOUT_S + 60)
+        took = time.monotonic() - lost
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "stopped" in result, (out, err[-2000:])
+    assert took < TIMEOUT_S + 20, took
+    assert result["cause"] == "RankFailed"
+    assert f"rank {1 - victim}: decode failed because {named}" in result["stopped"]
+    tokens = result["tokens"]
+    assert 16 < len(tokens) < NEW_TOKENS
+    assert result["stopped"].startswith(f"stopped after {len(tokens)} new token(s) per prompt: ")
+    assert tokens[:16] == undisturbed[0]  # greedy: the tokens before the failure are the undisturbed ones
