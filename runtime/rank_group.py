@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import time
 
@@ -50,20 +51,37 @@ def _store_host() -> str:
 
 
 class RankWatch:
-    """This rank's heartbeat in the store, and the question which ranks stopped beating."""
+    """This rank's heartbeat in the store, and the question which ranks stopped beating.
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int):
+    The thread also warns on stderr, once per stall, when another rank's counter stands
+    still for ``warn_after_s`` (half the collective timeout): under NCCL a collective past
+    the timeout aborts the process from torch's watchdog, and the warning is then what
+    names the rank that stopped."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, warn_after_s: float):
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.warn_after_s = max(warn_after_s, STILL_BEATS * BEAT_S)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"k3compile-heartbeat-{rank}", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
+        seen: list[tuple[int, float]] = []  # per rank: (its count, when it last changed)
+        warned: set[int] = set()
         while not self._stop.is_set():
             try:
                 self.store.add(_key("beat", self.rank), 1)
-            except (RuntimeError, dist.DistError):  # the store's host is gone: stopped_ranks says so
+                counts, now = self._counts(), time.monotonic()
+            except (RuntimeError, dist.DistError):  # the store's host is gone: stopped() says so
                 return
+            seen = [(c, now) if not seen or seen[r][0] != c else seen[r] for r, c in enumerate(counts)]
+            for r, (_, since) in enumerate(seen):
+                if now - since < self.warn_after_s:
+                    warned.discard(r)
+                elif r != self.rank and r not in warned:
+                    warned.add(r)
+                    print(f"k3compile: rank {self.rank}: rank {r} has not answered for {now - since:.0f} s "
+                          "(stopped or frozen)", file=sys.stderr, flush=True)
             self._stop.wait(BEAT_S)
 
     def _counts(self) -> list[int]:
@@ -132,4 +150,4 @@ def init_distributed(world_size: int, device: torch.device, timeout_s: float = 3
             else "one failed to start or stopped"
         raise RanksMissing(f"rank {rank}: not all {world_size} ranks joined the process group at {host}:{port} "
                            f"within {timeout_s:g} s ({who}); {str(e).strip().splitlines()[0]}") from None
-    return rank, RankWatch(store, rank, world_size)
+    return rank, RankWatch(store, rank, world_size, warn_after_s=timeout_s / 2)
