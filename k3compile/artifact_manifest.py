@@ -6,13 +6,14 @@ does, and :mod:`k3compile.artifact_writer` writes these files).
 
 ``manifest.json`` (format ``"k3compile-artifact"``, :data:`FORMAT_VERSION`)::
 
-    {"format": "k3compile-artifact", "format_version": 4,
+    {"format": "k3compile-artifact", "format_version": 5,
      "k3compile_version": "0.1.0", "torch_version": "2.13.0+cpu",
      "config": K3Config.to_dict(),
      "model_dir": "/abs/path/of/the/checkpoint",        # where the runtime reads weights
      "checkpoint_index_sha256": "<sha256 of model.safetensors.index.json>",
      "checkpoint_shards": {"model-00001-of-00002.safetensors":  # k3compile/checkpoint/identity.py
-         {"size": 123, "header_sha256": "...", "sample_sha256": "..."}, ...},
+         {"size": 123, "header_sha256": "...", "sample_sha256": "...",
+          "sha256": "..."}, ...},                        # the last only with --hash-weights
      "dtype": "bfloat16", "block_size": 16,
      "kv_cache_dtype": "float8_e4m3fn",                  # the MLA caches': the model dtype or FP8
      "lowering": "inductor",                             # how the runtime runs the programs
@@ -46,7 +47,7 @@ from k3compile.sharding import ParallelPlan, ShardingError, ShardOffset, ShardSp
 from k3compile.targets import LOWERINGS
 
 FORMAT_NAME = "k3compile-artifact"
-FORMAT_VERSION = 4  # 2: kv_cache_dtype (FP8 MLA caches); 3: lowering; 4: checkpoint_shards
+FORMAT_VERSION = 5  # 2: kv_cache_dtype (FP8 MLA caches); 3: lowering; 4: checkpoint_shards; 5: their full sha256
 SHARDING_FORMAT = "k3compile-sharding"
 MANIFEST = "manifest.json"
 #: sha256 of manifest.json's bytes: catches edits to the manifest itself (config, paths).
@@ -198,14 +199,17 @@ def _parse_shards(raw: dict[str, Any]) -> dict[str, ShardIdentity]:
     shards = {}
     for name, entry in raw.items():
         where = f"{MANIFEST}: field 'checkpoint_shards' entry {name!r}"
-        if not isinstance(entry, dict) or set(entry) != {"size", "header_sha256", "sample_sha256"}:
-            raise ArtifactError(f"{where} needs exactly 'size', 'header_sha256' and 'sample_sha256'")
-        size, header, sample = entry["size"], entry["header_sha256"], entry["sample_sha256"]
+        required = {"size", "header_sha256", "sample_sha256"}
+        if not isinstance(entry, dict) or not required <= set(entry) <= required | {"sha256"}:
+            raise ArtifactError(f"{where} needs exactly 'size', 'header_sha256' and 'sample_sha256' "
+                                "(and optionally 'sha256')")
+        size, header, sample, full = entry["size"], entry["header_sha256"], entry["sample_sha256"], entry.get("sha256")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ArtifactError(f"{where}: 'size' must be a non-negative integer")
-        if not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in (header, sample)):
+        hashes = (header, sample) if full is None else (header, sample, full)
+        if not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes):
             raise ArtifactError(f"{where}: the hashes must be 64 hex digits")
-        shards[name] = ShardIdentity(size, header, sample)
+        shards[name] = ShardIdentity(size, header, sample, full)
     return shards
 
 

@@ -224,12 +224,15 @@ def save_artifact(
     pass_summaries: list[Any],
     overwrite: bool = False,
     lowering: str = "eager",
+    hash_weights: bool = False,
 ) -> Path:
     """Write ``captured`` as an artifact at ``out_dir`` atomically; returns its path.
 
     ``model_dir`` is the checkpoint the runtime will read weights from (its index is
     hashed); ``pass_summaries`` is any JSON-serialisable list (one entry per pass run);
-    ``lowering`` how the runtime is to run the programs (one of targets.LOWERINGS).
+    ``lowering`` how the runtime is to run the programs (one of targets.LOWERINGS);
+    ``hash_weights`` records each shard's full sha256 (reading the whole checkpoint) for
+    loads that verify every byte.
     An existing ``out_dir`` is refused unless ``overwrite``, and even then only if it is
     a k3compile artifact or an empty directory."""
     out = Path(out_dir).absolute()
@@ -249,7 +252,7 @@ def save_artifact(
     _check_params_have_specs(captured)
     index_sha = checkpoint_index_hash(model_dir)
     try:
-        shards = checkpoint_identity(model_dir)
+        shards = checkpoint_identity(model_dir, full_hashes=hash_weights)
     except CheckpointChanged as e:
         raise ArtifactError(str(e)) from e
     tp = captured.plan.tp

@@ -45,6 +45,9 @@ class CompileOptions:
     disable: tuple[str, ...] = ()
     validate: bool = False
     rtol: float = 1e-4
+    #: record each checkpoint shard's full sha256 (reads the whole checkpoint once), so that
+    #: loads with RuntimeOptions.verify_weights can check every byte
+    hash_weights: bool = False
     #: pass name -> its options (a ``Config`` instance or a mapping of its fields), e.g.
     #: ``{"split_mla_context": {"merge": "reduce-scatter"}}``: how DCP members merge
     pass_configs: Mapping[str, Any] = field(default_factory=dict)
@@ -142,6 +145,6 @@ def optimize(
     say("write artifact")
     out = save_artifact(
         out_dir, captured, model_dir, options.target, [r.summary() for r in result.records], overwrite=overwrite,
-        lowering=options.lowering,
+        lowering=options.lowering, hash_weights=options.hash_weights,
     )
     return CompileResult(out, captured, result)

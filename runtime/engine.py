@@ -48,6 +48,7 @@ from k3compile.batch import (
     flatten_caches,
     zero_state_slot,
 )
+from k3compile.checkpoint.identity import CheckpointChanged, check_full_hashes, has_full_hashes
 from k3compile.checkpoint.loader import CheckpointError, CheckpointReader, LoadReport, fill_parameter
 from k3compile.context_parallel import ContextLayout
 from k3compile.distributed import init_context_parallel
@@ -94,6 +95,9 @@ class RuntimeOptions:
     #: whose logits are not finite (one device synchronisation per step; decode_tokens then
     #: steps through the host, each step's logits checked)
     check_finite: bool = False
+    #: hash every byte of the checkpoint against the full hashes the artifact records
+    #: (compiled with hash_weights) before loading; ranks share the work
+    verify_weights: bool = False
     #: seconds a rank waits for the others to join the process group, and for any
     #: collective, before it stops with an error (a rank that died leaves the rest waiting)
     rank_timeout_s: float = 300.0
@@ -171,6 +175,24 @@ def use_kernels(kernels: str, device: torch.device) -> bool:
         raise ValueError(f"kernels={kernels!r}: this process already runs the k3 ops' Triton kernels on "
                          f"{device.type} (registered for good); use a fresh process for the torch references")
     return triton
+
+
+def verify_weights(artifact: LoadedArtifact, rank: int, watch: RankWatch | None) -> None:
+    """Every byte of the checkpoint against the artifact's full shard hashes, or a
+    CheckpointError naming the first shard that differs. With a :class:`RankWatch` each rank
+    hashes every world-th shard and every rank raises the first difference any rank found."""
+    info = artifact.info
+    names = sorted(info.checkpoint_shards)
+    try:
+        check_full_hashes(Path(info.model_dir), info.checkpoint_shards,
+                          names[rank::watch.world_size] if watch is not None else names)
+        problem = ""
+    except CheckpointChanged as e:
+        problem = str(e)
+    problems = watch.gather("verify-weights", problem) if watch is not None else [problem]
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 def load_rank_weights(
@@ -425,7 +447,13 @@ def load(
     use_kernels(options.kernels, device)  # before the artifact: a refused choice costs no load time
     info_world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     artifact = load_artifact(out_dir, world_size=info_world, check_checkpoint=options.check_checkpoint)
+    if options.verify_weights and not has_full_hashes(artifact.info.checkpoint_shards):
+        raise CheckpointError(f"{artifact.path}: the artifact records no full checkpoint hashes to verify the "
+                              "weights against; compile it with hash_weights (optimize --hash-weights)")
     if rank is None:
         rank, watch = init_distributed(artifact.info.tp, device, options.rank_timeout_s)
-        return Runtime(artifact, rank, device, options, on_progress, watch)
-    return Runtime(artifact, rank, device, options, on_progress)
+    else:
+        watch = None
+    if options.verify_weights:
+        verify_weights(artifact, rank, watch)
+    return Runtime(artifact, rank, device, options, on_progress, watch)

@@ -110,6 +110,21 @@ class RankWatch:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return RankFailed(f"rank {self.rank}: {during} failed because {who} ({first[:300]})")
 
+    def gather(self, name: str, value: str) -> list[str]:
+        """Every rank's ``value`` for ``name`` once all gave theirs (a step of the same name
+        on every rank); :class:`RankFailed` when a rank stops meanwhile, however long the
+        others take."""
+        self.store.set(_key(name, self.rank), value)
+        keys = [_key(name, r) for r in range(self.world_size)]
+        while True:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=10 * BEAT_S))
+                return [self.store.get(k).decode() for k in keys]
+            except (RuntimeError, dist.DistError) as e:  # not all there yet, or the store is gone
+                failed = self.explain(e, name)
+                if failed is not None:
+                    raise failed from None
+
     def close(self) -> None:
         self._stop.set()
 

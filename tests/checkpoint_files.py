@@ -37,3 +37,21 @@ def stored(d: Path) -> dict[str, torch.Tensor]:
     for f in sorted(d.glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def flip_unsampled_byte(shard: Path) -> int:
+    """Flip one data byte of ``shard`` that the cheap identity does not sample (between two
+    of its fixed sample blocks); returns its offset. The shard must be large enough to have
+    such gaps (more than SAMPLES x SAMPLE_BYTES of data)."""
+    import struct
+
+    from k3compile.checkpoint.identity import SAMPLE_BYTES, SAMPLES
+
+    data = bytearray(shard.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    step = (len(data) - start - SAMPLE_BYTES) // (SAMPLES - 1)
+    assert step > SAMPLE_BYTES + 1, f"{shard.name}: too small to have unsampled bytes"
+    offset = start + SAMPLE_BYTES + (step - SAMPLE_BYTES) // 2  # between the first two sample blocks
+    data[offset] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return offset

@@ -33,10 +33,13 @@ from k3compile.artifact_writer import check_output_dir, save_artifact, write_man
 from k3compile.batch import CacheShape, flatten_caches
 from k3compile.capture import capture
 from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
+from k3compile.checkpoint.identity import CheckpointChanged, check_full_hashes, has_full_hashes
 from k3compile.checkpoint.loader import INDEX_FILE
 from k3compile.config import PRESETS
 from k3compile.reference import ReferenceEngine, load_reference
 from k3compile.sharding import ParallelPlan
+
+from checkpoint_files import flip_unsampled_byte
 
 PASSES = [{"name": "remove_noop_views", "phase": "decode", "changed": True, "stats": {"nodes_removed": 3.0}}]
 
@@ -113,7 +116,7 @@ def test_layout_and_manifest(saved, captured, model_dir):
         "sharding/rank0.json",
     ]
     m = json.loads((saved / "manifest.json").read_text())
-    assert m["format"] == FORMAT_NAME and m["format_version"] == FORMAT_VERSION == 4
+    assert m["format"] == FORMAT_NAME and m["format_version"] == FORMAT_VERSION == 5
     assert m["torch_version"] == torch.__version__ and m["k3compile_version"]
     assert m["config"] == json.loads(json.dumps(PRESETS["tiny"].to_dict()))
     assert m["model_dir"] == str(Path(model_dir).resolve()) and Path(m["model_dir"]).is_absolute()
@@ -244,8 +247,8 @@ def test_truncated_code_dump(copy):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("format_version", 5, r"'format_version' is 5 \(written by a newer k3compile\)"),
-        ("format_version", 3, r"'format_version' is 3; this k3compile reads version 4"),
+        ("format_version", 6, r"'format_version' is 6 \(written by a newer k3compile\)"),
+        ("format_version", 4, r"'format_version' is 4; this k3compile reads version 5"),
         ("format_version", "1", r"'format_version' has type str"),
         ("format", "something-else", r"field 'format' is 'something-else'"),
         ("dtype", "int8", r"field 'dtype' is 'int8'"),
@@ -258,6 +261,10 @@ def test_truncated_code_dump(copy):
          r"'size' must be a non-negative integer"),
         ("checkpoint_shards", {"a.safetensors": {"size": 1, "header_sha256": "x", "sample_sha256": "0" * 64}},
          r"the hashes must be 64 hex digits"),
+        ("checkpoint_shards", {"a.safetensors": {"size": 1, "header_sha256": "0" * 64, "sample_sha256": "0" * 64,
+                                                 "sha256": "0" * 63}}, r"the hashes must be 64 hex digits"),
+        ("checkpoint_shards", {"a.safetensors": {"size": 1, "header_sha256": "0" * 64, "sample_sha256": "0" * 64,
+                                                 "code": "x"}}, r"needs exactly 'size', 'header_sha256'"),
     ],
 )
 def test_bad_manifest_field(copy, field, value, message):
@@ -429,6 +436,28 @@ def test_regenerated_or_damaged_weights_are_refused_naming_the_shard(tmp_path, c
     victim.unlink()
     with pytest.raises(ArtifactError, match=rf"{victim.name}: missing"):
         load_artifact(out)
+
+
+def test_hash_weights_records_full_hashes_that_catch_an_unsampled_change(tmp_path, captured_tp2):
+    """A byte changed between the sampled blocks passes the cheap identity at load; the full
+    hashes that --hash-weights records catch it, naming the shard."""
+    ckpt = generate_model_dir(PRESETS["tiny"], tmp_path / "ckpt", GenerateOptions(seed=1, shard_bytes=1_000_000))
+    out = save_artifact(tmp_path / "art", captured_tp2, ckpt, "cpu", [], hash_weights=True)
+    recorded = read_artifact_info(out).checkpoint_shards
+    assert len(recorded) >= 2 and has_full_hashes(recorded)
+    for name, identity in recorded.items():
+        assert identity.sha256 == hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    check_full_hashes(ckpt, recorded)
+    victim = ckpt / sorted(recorded)[1]
+    flip_unsampled_byte(victim)
+    load_artifact(out)  # the cheap identity does not see it
+    with pytest.raises(CheckpointChanged, match=rf"{victim.name}: its content changed since compilation "
+                                                rf"\(sha256 [0-9a-f]{{64}}, recorded {recorded[victim.name].sha256}\)"):
+        check_full_hashes(ckpt, recorded)
+    check_full_hashes(ckpt, recorded, [n for n in sorted(recorded) if n != victim.name])  # the rest still match
+    plain = save_artifact(tmp_path / "plain", captured_tp2, ckpt, "cpu", [])
+    assert not has_full_hashes(read_artifact_info(plain).checkpoint_shards)
+    assert "sha256" not in json.loads((plain / "manifest.json").read_text())["checkpoint_shards"][victim.name]
 
 
 # ---------------------------------------------------------------------------

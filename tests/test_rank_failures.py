@@ -109,3 +109,31 @@ def test_a_rank_lost_during_decode_is_named_and_the_tokens_so_far_returned(tp2, 
     assert tokens[:16] == undisturbed[0]  # greedy: the tokens before the failure are the undisturbed ones
     if how == signal.SIGSTOP:  # the heartbeat thread warned before the collective timed out
         assert re.search(r"k3compile: rank 0: rank 1 has not answered for [23] s \(stopped or frozen\)", err), err
+
+
+def test_verify_weights_splits_the_shards_and_every_rank_stops_on_a_change(tmp_path):
+    """--verify-weights at TP2: each rank hashes every other shard; a byte changed in a shard
+    that rank 1 hashes (between the cheap identity's samples) stops both ranks, each naming
+    the shard (rank 0 prints it). The CLI, from a manual two-rank launch."""
+    from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
+    from k3compile.compiler import CompileOptions, optimize
+    from k3compile.config import PRESETS
+
+    from checkpoint_files import flip_unsampled_byte
+
+    ckpt = generate_model_dir(PRESETS["tiny"], tmp_path / "ckpt", GenerateOptions(seed=1, shard_bytes=1_000_000))
+    out = optimize(ckpt, tmp_path / "art", CompileOptions(tp=2, dtype="float32", hash_weights=True)).out_dir
+    shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    assert len(shards) >= 2
+    victim = ckpt / shards[1]  # rank 1's share: shards[1::2]
+    flip_unsampled_byte(victim)
+    port = _free_port()
+    args = [sys.executable, "-m", "k3compile", "run", str(out), "--prompt", "1 2 3", "--max-new-tokens", "2",
+            "--device", "cpu", "--verify-weights", "--rank-timeout", str(TIMEOUT_S)]
+    ranks = [subprocess.Popen(args, env=_rank_env(r, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    done = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [2, 2], done
+    # both stopped on it (exit status 2, not a rank failure); rank 0 prints it, though rank 1 found it
+    assert f"error: {victim}: its content changed since compilation (sha256 " in done[0][1].replace("\n", "")
+    assert done[1][1] == "" and "new tokens" not in done[0][0]

@@ -127,3 +127,18 @@ def test_check_finite_names_a_nan_weight_and_stops_at_nan_logits(model_dirs, tmp
     state.fill_(float("nan"))
     with pytest.raises(NonFiniteLogits, match=rf"sequences \[{seq}\]: this step's logits hold NaN or Inf"):
         rt.decode([seq], [int(logits.argmax())])
+
+
+def test_verify_weights_needs_recorded_full_hashes(compile_once):
+    """An artifact compiled without hash_weights has nothing to verify every byte against:
+    refused before loading; one compiled with it loads after the check."""
+    from k3compile.checkpoint.loader import CheckpointError
+
+    plain = compile_once("tiny", dtype="float32", validate=False).out_dir
+    options = RuntimeOptions(max_sequences=1, max_context=16, device="cpu", verify_weights=True)
+    with pytest.raises(CheckpointError, match=r"records no full checkpoint hashes to verify the weights against; "
+                                              r"compile it with hash_weights \(optimize --hash-weights\)"):
+        runtime.load(plain, options=options)
+    hashed = compile_once("tiny", dtype="float32", validate=False, hash_weights=True).out_dir
+    rt = runtime.load(hashed, options=options)
+    assert len(rt.generate([[1, 2, 3]], 2)[0]) == 2

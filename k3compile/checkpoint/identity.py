@@ -6,14 +6,20 @@ sha256 of ``SAMPLES`` blocks of ``SAMPLE_BYTES`` read at fixed, evenly spaced of
 its data (256 KiB per shard). The header alone does not change when the weights are
 regenerated with the same layout; the sampled content does (for all but a change confined
 to the bytes between samples, which a full hash would catch and this does not).
+
+On request (``optimize --hash-weights``) the artifact also records each shard's full
+sha256, which ``run --verify-weights`` checks: every byte, read once (hashing threads
+across shards, at the disk's speed rather than one core's).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from k3compile.checkpoint.loader import INDEX_FILE
@@ -21,6 +27,7 @@ from k3compile.checkpoint.loader import INDEX_FILE
 SAMPLES = 64
 SAMPLE_BYTES = 4096
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+READ_BYTES = 16 << 20  # per read when hashing a whole shard
 
 
 class CheckpointChanged(ValueError):
@@ -32,9 +39,10 @@ class ShardIdentity:
     size: int
     header_sha256: str
     sample_sha256: str
+    sha256: str | None = None  # of the whole file; recorded only on request
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def shard_names(model_dir: Path) -> list[str]:
@@ -74,9 +82,47 @@ def shard_identity(path: Path) -> ShardIdentity:
     return ShardIdentity(size, header, sample.hexdigest())
 
 
-def checkpoint_identity(model_dir: Path) -> dict[str, ShardIdentity]:
-    """Every shard's identity, by file name."""
-    return {name: shard_identity(model_dir / name) for name in shard_names(model_dir)}
+def file_sha256(path: Path) -> str:
+    """The sha256 of a whole file, read in READ_BYTES pieces."""
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            while piece := f.read(READ_BYTES):
+                digest.update(piece)
+    except OSError as e:
+        raise CheckpointChanged(f"{path}: cannot read it ({e})") from e
+    return digest.hexdigest()
+
+
+def _hash_files(paths: list[Path]) -> list[str]:
+    """:func:`file_sha256` of each path, several at once (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(len(paths), 1))) as pool:
+        return list(pool.map(file_sha256, paths))
+
+
+def checkpoint_identity(model_dir: Path, full_hashes: bool = False) -> dict[str, ShardIdentity]:
+    """Every shard's identity, by file name; with ``full_hashes`` also each whole file's sha256."""
+    names = shard_names(model_dir)
+    identities = {name: shard_identity(model_dir / name) for name in names}
+    if full_hashes:
+        digests = _hash_files([model_dir / name for name in names])
+        identities = {name: replace(identities[name], sha256=d) for name, d in zip(names, digests)}
+    return identities
+
+
+def check_full_hashes(model_dir: Path, recorded: dict[str, ShardIdentity], names: list[str] | None = None) -> None:
+    """Hash every byte of the shards ``names`` (default: all) and raise :class:`CheckpointChanged`
+    naming the first that differs from its recorded sha256. The caller has checked that the
+    artifact records them (:func:`has_full_hashes`) and the cheap identity."""
+    names = sorted(recorded) if names is None else names
+    for name, digest in zip(names, _hash_files([model_dir / name for name in names])):
+        if digest != recorded[name].sha256:
+            raise CheckpointChanged(f"{model_dir / name}: its content changed since compilation "
+                                    f"(sha256 {digest}, recorded {recorded[name].sha256})")
+
+
+def has_full_hashes(recorded: dict[str, ShardIdentity]) -> bool:
+    return bool(recorded) and all(identity.sha256 is not None for identity in recorded.values())
 
 
 def check_identity(model_dir: Path, recorded: dict[str, ShardIdentity]) -> None:

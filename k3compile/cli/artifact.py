@@ -21,6 +21,7 @@ from k3compile.cli.options import (
     PromptFileOption,
     PromptOption,
     RankTimeoutOption,
+    VerifyWeightsOption,
     at_least_one,
     check_kv_cache_choice,
     check_rank_timeout,
@@ -411,6 +412,7 @@ def run_command(
     ] = None,
     inductor: InductorOption = None,
     rank_timeout: RankTimeoutOption = 300.0,
+    verify_weights: VerifyWeightsOption = False,
     check_finite: Annotated[
         bool,
         typer.Option("--check-finite", help="Debug check: name a weight holding NaN or Inf when loading, and stop "
@@ -455,6 +457,7 @@ def run_command(
             max_sequences=len(prompts), max_context=max_context, device=device,
             cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
             lowering=lowering_choice(inductor), check_finite=check_finite, rank_timeout_s=rank_timeout,
+            verify_weights=verify_weights,
         )
         rt, load_s = load_runtime(out, options, launch)
         result = rt.generate_timed(prompts, max_new_tokens, sampling)

@@ -21,8 +21,8 @@ from k3compile.cli.artifact import (
     run_header,
     runtime_errors,
 )
-from k3compile.cli.options import (KV_CACHE_DTYPE_HELP, InductorOption, RankTimeoutOption, at_least_one,
-                                   check_rank_timeout, choice, lowering_choice)
+from k3compile.cli.options import (KV_CACHE_DTYPE_HELP, InductorOption, RankTimeoutOption, VerifyWeightsOption,
+                                   at_least_one, check_rank_timeout, choice, lowering_choice)
 
 
 def parse_counts(text: str, option: str, allow_empty: bool = False) -> tuple[int, ...]:
@@ -67,6 +67,7 @@ def bench_command(
         Optional[str], typer.Option(help=KV_CACHE_DTYPE_HELP + " A check against the artifact's.", show_default=False)] = None,
     inductor: InductorOption = None,
     rank_timeout: RankTimeoutOption = 300.0,
+    verify_weights: VerifyWeightsOption = False,
 ) -> None:
     """Measure an artifact: decode time per step and time to first token, against the floor.
 
@@ -102,7 +103,7 @@ def bench_command(
         runtime_options = RuntimeOptions(max_sequences=sequences, max_context=tokens, device=device,
                                          cuda_graphs=None if cuda_graphs else False, kernels=kernels,
                                          kv_cache_dtype=kv_cache_dtype, lowering=lowering_choice(inductor),
-                                         rank_timeout_s=rank_timeout)
+                                         rank_timeout_s=rank_timeout, verify_weights=verify_weights)
         rt, load_s = load_runtime(out, runtime_options, launch)
         header = run_header(out, info, rt.device, rt.graphs is not None, rt.triton_kernels and rt.device.type == "cpu",
                             rt.lowering)

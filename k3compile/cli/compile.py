@@ -135,6 +135,13 @@ def optimize_command(
         bool,
         typer.Option("--overwrite", help="Replace OUT if it is an existing artifact. Example: --overwrite"),
     ] = False,
+    hash_weights: Annotated[
+        bool,
+        typer.Option("--hash-weights", help="Also record each checkpoint shard's full sha256 (reads the whole "
+                     "checkpoint once), so that 'run --verify-weights' can check every byte. Without it the artifact "
+                     "records each shard's size, header hash and a hash of sampled content, checked at every load. "
+                     "Example: --hash-weights"),
+    ] = False,
 ) -> None:
     """Compile a model directory into an artifact that 'k3compile run' loads.
 
@@ -172,7 +179,7 @@ def optimize_command(
                 tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=dtype,
                 kv_cache_dtype=kv_cache_dtype, pass_configs=_dcp_merge_config(dcp_merge),
                 block_size=block_size, enable=enabled, disable=disabled, validate=validate,
-                lowering=lowering_choice(inductor) or "auto",
+                lowering=lowering_choice(inductor) or "auto", hash_weights=hash_weights,
             )
         except ValueError as e:
             raise UserError(str(e)) from None

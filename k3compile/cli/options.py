@@ -166,6 +166,14 @@ RankTimeoutOption = Annotated[
 ]
 
 
+VerifyWeightsOption = Annotated[
+    bool,
+    typer.Option("--verify-weights", help="Before loading, hash every byte of the checkpoint against the full "
+                 "hashes the artifact records (compiled with --hash-weights); ranks share the work. "
+                 "Example: --verify-weights"),
+]
+
+
 def check_rank_timeout(seconds: float) -> None:
     """``--rank-timeout``: a positive, finite number of seconds."""
     if not 0 < seconds < float("inf"):
