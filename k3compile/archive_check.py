@@ -49,6 +49,7 @@ _CONFIGS = {"data/weights/model_weights_config.json": ("data/weights/", r"weight
 _PROGRAM = "models/model.json"
 _EMPTY = "data/sample_inputs/model.pt"  # torch.export.save writes it; the writer leaves it empty
 MAX_PROGRAM_BYTES = 1 << 30
+MAX_CONFIG_BYTES = 64 << 20  # one small entry per weight or constant
 
 #: sympy names a shape expression may use (srepr of torch's symbolic shapes)
 _SYMPY_NAMES = frozenset({
@@ -185,6 +186,8 @@ def check_archive(path: str | Path, label: str | None = None) -> None:
             allowed = {_PROGRAM, _EMPTY, *_VERSION_FILES, *_CONFIGS}
             for config in _CONFIGS:
                 if config in members:
+                    if members[config].file_size > MAX_CONFIG_BYTES:
+                        raise ArchiveRefused(f"'{config}' is larger than {MAX_CONFIG_BYTES} bytes")
                     allowed |= _payloads(config, zf.read(members[config]))
             for name, info in members.items():
                 if name not in allowed:

@@ -16,10 +16,11 @@ import torch
 from torch import Tensor
 
 from k3compile.batch import CacheShape, allocate_caches, zero_state_slot
-from k3compile.checkpoint.loader import load_checkpoint_config, load_weights
+from k3compile.checkpoint.loader import CheckpointError, load_checkpoint_config, load_weights
 from k3compile.config import K3Config
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
+from k3compile.runtime.memory_budget import GiB, available_bytes
 from k3compile.sequences import RequestError, Sequence, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan, fill_rank_constants
 
@@ -90,10 +91,20 @@ def load_reference(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> K3ForCausalLM:
-    """Build the rank-local model for ``plan`` and load its slice of ``model_dir``."""
+    """Build the rank-local model for ``plan`` and load its slice of ``model_dir``.
+
+    Before allocating anything, every tensor's header is checked against the config (a
+    config edited to another size is a CheckpointError naming the first tensor that differs),
+    and the model must fit ``device``'s free memory."""
     cfg = load_checkpoint_config(model_dir)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg, plan, tp, dtype)
+    load_weights(model, model_dir, plan, cfg.checkpoint_prefix)  # on meta: headers only
+    need = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    free = available_bytes(torch.device(device))
+    if free is not None and need > free:
+        raise CheckpointError(f"{model_dir}: the reference model needs {need / GiB:.1f} GiB in {dtype} "
+                              f"and {device} has {free / GiB:.1f} GiB free")
     model = model.to_empty(device=device)
     fill_rank_constants(model, plan)
     load_weights(model, model_dir, plan, cfg.checkpoint_prefix)

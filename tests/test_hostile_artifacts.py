@@ -10,6 +10,7 @@ import hashlib
 import json
 import pickle
 import shutil
+import struct
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -174,6 +175,36 @@ def test_paths_outside_the_archive_links_and_oversized_version_files_are_refused
         z.writestr(info, "/etc/passwd")
     _reseal(out)
     with pytest.raises(ArtifactError, match=r"is a directory, a link or a duplicate"):
+        load_artifact(out)
+
+
+def _declare_size(path: Path, member_suffix: str, size: int) -> None:
+    """Make the zip's central directory declare ``size`` uncompressed bytes for the member
+    whose name ends with ``member_suffix`` (a forged header: the data stays as it was)."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        name_len = struct.unpack_from("<H", data, at + 28)[0]
+        if bytes(data[at + 46:at + 46 + name_len]).decode().endswith(member_suffix):
+            struct.pack_into("<I", data, at + 24, size)
+            path.write_bytes(bytes(data))
+            return
+        at = data.find(b"PK\x01\x02", at + 46)
+    raise AssertionError(f"no member ending with {member_suffix}")
+
+
+@pytest.mark.parametrize("member, size, message", [
+    ("models/model.json", 0x7FFFFFFF, r"'models/model\.json' is larger than 1073741824 bytes"),
+    ("data/weights/model_weights_config.json", 100 << 20,
+     r"'data/weights/model_weights_config\.json' is larger than 67108864 bytes"),
+])
+def test_oversized_declared_members_are_refused_before_reading(saved, tmp_path, member, size, message):
+    """A zip header declaring gigabytes for a member that loading reads whole (the program,
+    a payload config) is refused from the header, before any of it is decompressed."""
+    out = _edit_program(saved, tmp_path, lambda m: None)
+    _declare_size(out / "decode.pt2", member, size)
+    _reseal(out)
+    with pytest.raises(ArtifactError, match=rf"decode\.pt2: {message}"):
         load_artifact(out)
 
 

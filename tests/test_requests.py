@@ -142,3 +142,22 @@ def test_verify_weights_needs_recorded_full_hashes(compile_once):
     hashed = compile_once("tiny", dtype="float32", validate=False, hash_weights=True).out_dir
     rt = runtime.load(hashed, options=options)
     assert len(rt.generate([[1, 2, 3]], 2)[0]) == 2
+
+
+def test_a_config_edited_to_a_huge_vocabulary_is_refused_before_allocating(model_dirs, tmp_path):
+    """config.json edited to a vocabulary of 10^12 (the embedding alone 256 TB): the
+    reference model (``k3compile generate``) checks every header against the config on the
+    meta device first and names the tensor, instead of trying the allocation."""
+    import shutil
+
+    from k3compile.checkpoint.loader import CheckpointError
+    from k3compile.reference import load_reference
+
+    model_dir = Path(shutil.copytree(model_dirs("tiny"), tmp_path / "m"))
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    text_config["vocab_size"] = 10**12
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"tensor 'language_model\.model\.embed_tokens\.weight' in .*: "
+                                              r"shape \[512, 64\], expected \[1000000000000, 64\]"):
+        load_reference(model_dir)
