@@ -18,9 +18,9 @@ from torch import Tensor
 from k3compile.batch import CacheShape, allocate_caches, zero_state_slot
 from k3compile.checkpoint.loader import CheckpointError, load_checkpoint_config, load_weights
 from k3compile.config import K3Config
+from k3compile.device_memory import GiB, available_bytes
 from k3compile.distributed import TPGroup
 from k3compile.model import K3ForCausalLM
-from k3compile.runtime.memory_budget import GiB, available_bytes
 from k3compile.sequences import RequestError, Sequence, SequenceTable, generate_tokens
 from k3compile.sharding import ParallelPlan, fill_rank_constants
 

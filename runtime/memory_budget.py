@@ -5,32 +5,15 @@ minutes of loading."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from k3compile.batch import CacheShape, allocate_caches, flatten_caches
 from k3compile.config import K3Config
+from k3compile.device_memory import GiB, available_bytes
 from k3compile.sequences import RequestError
 from k3compile.sharding import ParallelPlan
-
-GiB = 1 << 30
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory on ``device``: a GPU's free memory, or the host's available memory
-    (``MemAvailable``); None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def weight_bytes(program: ExportedProgram) -> int:

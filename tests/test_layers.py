@@ -26,7 +26,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # process groups, the MXFP4 format and checkpoint reading: no torch.ops.k3 use.
     "foundation": ("k3compile", "k3compile.config", "k3compile.sharding", "k3compile.targets",
                    "k3compile.batch", "k3compile.context_parallel", "k3compile.distributed",
-                   "k3compile.sequences", "k3compile.mla_cache_fp8", "k3compile.checkpoint",
+                   "k3compile.sequences", "k3compile.mla_cache_fp8", "k3compile.device_memory", "k3compile.checkpoint",
                    "k3compile.checkpoint.mxfp4",
                    "k3compile.checkpoint.loader"),
     # Op semantics: custom ops, fakes, torch references.
