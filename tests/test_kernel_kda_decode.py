@@ -256,7 +256,7 @@ def _check_slots(case: Case, fixed: dict[str, object], fused: dict[str, object])
 
 def test_op_kernel_prepares_its_arguments(request: pytest.FixtureRequest) -> None:
     """What the runtime registers for ``k3::kda_decode_fused`` (``kda_decode_fused_op``)
-    casts bf16 weights to fp32 and makes strided activations contiguous before the launch:
+    casts bf16 weights to fp32 and reads row-strided activations in place (no copies):
     the result equals the reference chain on the same (fp32-cast) weights."""
     if not runs_here(request, "interpret"):
         return

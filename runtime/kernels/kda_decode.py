@@ -57,10 +57,15 @@ def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
     return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
+#: the activations the kernel reads with a row stride (each row's elements contiguous)
+ROW_STRIDED = ("q", "k", "v", "a", "beta", "gate")
+
+
 def _expect(
     name: str, t: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], device: torch.device
 ) -> None:
-    """Raise ValueError naming ``name`` unless t is a contiguous tensor of this shape, dtype, device."""
+    """Raise ValueError naming ``name`` unless t is a tensor of this shape, dtype, device,
+    contiguous (for :data:`ROW_STRIDED` activations: each row contiguous, rows at any stride)."""
     if not isinstance(t, Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
@@ -69,8 +74,11 @@ def _expect(
         raise ValueError(f"{name} must be {_dtype_names(dtypes)}, got {str(t.dtype).removeprefix('torch.')}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but the state is on {device}")
+    if name in ROW_STRIDED and t.dim() == 2 and t.stride(1) == 1:
+        return
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+        raise ValueError(f"{name} must be contiguous{' row by row' if name in ROW_STRIDED else ''}, "
+                         f"got strides {t.stride()}")
 
 
 # --------------------------------------------------------------------------- launcher
@@ -110,7 +118,8 @@ def kda_decode_fused(
     """One KDA decode step for B sequences, one launch; updates conv states and state in place.
 
     q, k [B, H*D] and v [B, H*DV]: q/k/v projections before the conv (model dtype: fp32,
-    bf16 or fp16; a, gate share it). conv_weight_* [C, K] fp32 and conv_state_* [S, C, K-1]
+    bf16 or fp16; a, gate share it). The activations (q, k, v, a, beta, gate) may be
+    row-strided views (columns of one projection's output). conv_weight_* [C, K] fp32 and conv_state_* [S, C, K-1]
     (C = H*D, or H*DV for v). a [B, H*D]: f_b_proj output (gate input); A_log [H] fp32;
     dt_bias [H*D] fp32; beta [B, H]: b_proj logits (sigmoid applied here). state
     [S, H, D, DV] fp32, slots [B] int64 (distinct rows of the states). gate [B, H*DV]:
@@ -192,6 +201,7 @@ def kda_decode_fused(
         conv_state_q, conv_state_k, conv_state_v,
         a, A_log, dt_bias, beta, state, slots, gate, norm_weight, out, counters,
         float(lower_bound), float(scale), float(eps),
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), beta.stride(0), gate.stride(0),
         **_constexprs(H, D, DV, K, config),
         num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
         **({"maxnreg": config.max_registers} if config.max_registers and device.type == "cuda" else {}),
@@ -209,14 +219,14 @@ def kda_decode_fused_op(
     dt_bias: Tensor, lower_bound: float, beta: Tensor, state: Tensor, slots: Tensor, scale: float,
     gate: Tensor, norm_weight: Tensor, eps: float,
 ) -> Tensor:
-    """``k3::kda_decode_fused`` as one launch: the launcher needs contiguous activations and
-    fp32 conv weights / A_log / dt_bias / norm_weight, so those in another dtype are cast
-    here. On CUDA GPUs of compute capability 9.0 or newer it launches with programmatic
+    """``k3::kda_decode_fused`` as one launch: the launcher needs activations whose rows are
+    contiguous and fp32 conv weights / A_log / dt_bias / norm_weight, so those in another
+    layout or dtype are copied here. On CUDA GPUs of compute capability 9.0 or newer it launches with programmatic
     dependent launch (H200: 33.0 -> 30.9 us at batch 64, BENCHMARKS.md) unless it had to
     cast a weight, whose copy the launch just before wrote."""
 
     def act(t: Tensor) -> Tensor:
-        return t.contiguous()
+        return t if t.dim() == 2 and t.stride(1) == 1 else t.contiguous()
 
     def f32(t: Tensor) -> Tensor:
         return t.float().contiguous()

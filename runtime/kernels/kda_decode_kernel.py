@@ -230,7 +230,7 @@ def _value_tile(
 @counted
 @triton.jit
 def kda_decode_kernel(
-    q_ptr, k_ptr, v_ptr,  # [B, H*D], [B, H*D], [B, H*DV] projections (pre-conv), model dtype
+    q_ptr, k_ptr, v_ptr,  # [B, H*D], [B, H*D], [B, H*DV] projections (pre-conv), model dtype (rows strided)
     q_conv_w_ptr, k_conv_w_ptr, v_conv_w_ptr,  # [H*D, K], [H*D, K], [H*DV, K]
     q_conv_state_ptr, k_conv_state_ptr, v_conv_state_ptr,  # [S, H*D, K-1], ..., [S, H*DV, K-1]
     a_ptr, a_log_ptr, dt_bias_ptr,  # [B, H*D] gate input, [H], [H*D]
@@ -241,6 +241,9 @@ def kda_decode_kernel(
     out_ptr,  # [B, H, DV]
     counter_ptr,  # [>= B*H] int32, zero between launches
     lower_bound, scale, eps,
+    # row strides (elements) of q, k, v, a, beta and gate: views of one projection's output
+    # (a row of [B, N] holding them side by side) are read in place
+    q_stride, k_stride, v_stride, a_stride, beta_stride, gate_stride,
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     BV: tl.constexpr,  # value tile: state columns in registers at a time
     NT: tl.constexpr,  # value tiles per program, updated in turn
@@ -267,7 +270,7 @@ def kda_decode_kernel(
     #    compiler from sinking the state read below the conv math (which waits for the conv
     #    reads): so the state's round trip overlaps theirs. A barrier does not wait for reads
     #    in flight; the conv math after it starts from this token's q and k, read after it.
-    v_row = v_ptr + i_b * (H * DV) + i_h * DV
+    v_row = v_ptr + i_b * v_stride + i_h * DV
     v_conv_w_row = v_conv_w_ptr + i_h * (DV * K)
     v_conv_state_row = v_conv_state_ptr + slot * (H * DV * (K - 1)) + i_h * (DV * (K - 1))
     q_stored, q_w = _conv_taps(q_conv_w_ptr, q_conv_state, qk_channels, cols, K)
@@ -302,16 +305,16 @@ def kda_decode_kernel(
         v1 = _tile_input(v_row, first + 1, BV)
     if NS > 2 and NT > 2:
         v2 = _tile_input(v_row, first + 2, BV)
-    a = tl.load(a_ptr + i_b * (H * D) + qk_channels).to(tl.float32) + dt_bias
-    beta_logit = tl.load(beta_ptr + i_b * H + i_h).to(tl.float32)
-    gate_row = gate_ptr + i_b * (H * DV) + i_h * DV
+    a = tl.load(a_ptr + i_b * a_stride + qk_channels).to(tl.float32) + dt_bias
+    beta_logit = tl.load(beta_ptr + i_b * beta_stride + i_h).to(tl.float32)
+    gate_row = gate_ptr + i_b * gate_stride + i_h * DV
     if DIRECT:
         gate0 = tl.load(gate_row + tile_v)
         if NT == 2:
             gate1 = tl.load(gate_row + BV + tile_v)
     tl.debug_barrier()
-    q, q_window = _conv_apply(tl.load(q_ptr + i_b * (H * D) + qk_channels), q_stored, q_w, cols, K)
-    k, k_window = _conv_apply(tl.load(k_ptr + i_b * (H * D) + qk_channels), k_stored, k_w, cols, K)
+    q, q_window = _conv_apply(tl.load(q_ptr + i_b * q_stride + qk_channels), q_stored, q_w, cols, K)
+    k, k_window = _conv_apply(tl.load(k_ptr + i_b * k_stride + qk_channels), k_stored, k_w, cols, K)
     if SPLIT == 1:  # only this program reads this head's q/k conv states
         _store_conv_state(q_conv_state, qk_channels, cols, q_window, K)
         _store_conv_state(k_conv_state, qk_channels, cols, k_window, K)
@@ -377,6 +380,6 @@ def kda_decode_kernel(
             o_row = tl.load(out_ptr + row + all_v).to(tl.float32)
             _gated_rms_norm_store(o_row, tl.load(gate_row + all_v), tl.load(norm_weight_ptr + all_v),
                                   out_ptr + row + all_v, eps, DV)
-            _shift_conv_state(q_ptr + i_b * (H * D), q_conv_state, qk_channels, cols, K)
-            _shift_conv_state(k_ptr + i_b * (H * D), k_conv_state, qk_channels, cols, K)
+            _shift_conv_state(q_ptr + i_b * q_stride, q_conv_state, qk_channels, cols, K)
+            _shift_conv_state(k_ptr + i_b * k_stride, k_conv_state, qk_channels, cols, K)
             tl.store(counter, 0)

@@ -235,7 +235,7 @@ def aot_signature(
     pointer = {"slots_ptr": "i64", "counter_ptr": "i32", **{name: "fp32" for name in _FP32_POINTERS}}
     signature = {
         arg: f"*{pointer.get(arg, t)}" if arg.endswith("_ptr") else "fp32" if arg in ("lower_bound", "scale", "eps")
-        else "constexpr"
+        else "i32" if arg.endswith("_stride") else "constexpr"
         for arg in kda_decode_kernel.arg_names
     }
     return signature, _constexprs(heads, head_dim, head_dim_v, conv_kernel, config), config.num_warps
