@@ -45,6 +45,13 @@ fused op, in place, where the norm was)::
         %linear_4, %a_log, %dt_bias, -5.0, %linear_5, %caches_3, %state_slots, 0.25,
         %linear_6, %o_norm_weight, 1e-05)                                 [s, 4, 16]
 
+When the five projections the fused op reads (``%linear``, ``%linear_1``, ``%linear_2``,
+``%linear_5``, ``%linear_6``: q, k, v, beta's logits and the output gate) are linears of
+one input by parameters, read by nothing else, they go into the op too: the node becomes
+``k3.kda_decode_fused_proj(%rms_norm, %q_proj_weight, %k_proj_weight, %v_proj_weight,
+%g_proj_weight, %b_proj_weight, %view, ...)``, and on GPUs the five GEMMs become one (the
+runtime lays the five weights out as consecutive rows: ``k3compile/runtime/weight_layout.py``).
+
 The fused op takes beta's logits (``%linear_5``), so the sigmoid and the cast are fused
 too; it computes ``sigmoid(logits.float())``, what the graph did, so the rewrite is exact
 (bit-identical on the CPU: the op's reference is the same chain of k3 ops).
@@ -77,11 +84,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 import k3compile.ops.kda_fused  # noqa: F401  (registers torch.ops.k3.kda_decode_fused)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import is_call, layer_of, numel_at_one, op_arg, other_users, tensor_val
+from k3compile.pipeline.node_queries import is_call, layer_of, numel_at_one, op_arg, op_name, other_users, tensor_val
 from k3compile.targets import GPU_DEVICES
 
 aten = torch.ops.aten
@@ -117,6 +125,10 @@ class _Chain:
         return [self.norm, self.norm_gate_view, self.decode, *self.conv_views, *self.convs,
                 self.gate, self.gate_view, self.sigmoid, *cast]
 
+    def projections(self) -> list[Node]:
+        """The fused op's projection inputs, in ``PROJECTION_WEIGHTS`` order: q, k, v, g, b."""
+        return [*(c.args[0] for c in self.convs), self.norm_gate_view.args[0], self.logits]
+
     def fused_args(self) -> tuple:
         q, k, v = (c.args[0] for c in self.convs)
         wq, wk, wv = (op_arg(c, "weight") for c in self.convs)
@@ -130,19 +142,11 @@ class _Chain:
         )
 
 
-
-
-
-
 def _same(a, b) -> bool:
     """Sizes equal (ints, or the same symbolic expression)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return str(a) == str(b)
-
-
-
-
 
 
 def _split_view(view: object, heads: int, width: int) -> str:
@@ -157,10 +161,6 @@ def _split_view(view: object, heads: int, width: int) -> str:
         return (f"{view.name} views {list(src.shape)} as {list(out.shape)}, not as "
                 f"[T, {heads}, {width}] (heads of the recurrent state)")
     return ""
-
-
-
-
 
 
 def _power_of_two(n: int) -> bool:
@@ -194,7 +194,8 @@ class FuseKDADecode(GraphPass):
                     result.skipped.append(Skipped(node.name, f"the {ctx.target.name} kernel needs power-of-two "
                                                              f"head dims, got D={D}, DV={DV}"))
                     continue
-            result.add_rewrite(self._rewrite(gm, chain))
+            params = {s.arg.name for s in ctx.program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
+            result.add_rewrite(self._rewrite(gm, chain, params))
         result.changed = result.matches > 0
         return result
 
@@ -272,28 +273,51 @@ class FuseKDADecode(GraphPass):
             return not node.kwargs or set(node.kwargs) <= {"non_blocking", "copy"}
         return len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
 
-    def _rewrite(self, gm: GraphModule, chain: _Chain) -> Rewrite:
+    @staticmethod
+    def _shared_input(chain: _Chain, params: set[str]) -> Node | None:
+        """The input x when every projection the fused op reads is ``linear(x, W)`` with W a
+        parameter (no bias), the same x, and no other reader; else None."""
+        linears = chain.projections()
+        if not all(is_call(n, {aten.linear.default}) and len(n.args) == 2 and not n.kwargs and len(n.users) == 1
+                   and n.args[1].op == "placeholder" and n.args[1].name in params for n in linears):
+            return None
+        x = linears[0].args[0]
+        return x if all(n.args[0] is x for n in linears) else None
+
+    def _rewrite(self, gm: GraphModule, chain: _Chain, params: set[str]) -> Rewrite:
         graph = gm.graph
         fused_nodes = chain.compute_nodes()
         intermediates = [*chain.convs, chain.gate, *([chain.cast] if chain.cast else []), chain.sigmoid, chain.decode]
         # Each intermediate is written once and read once by the next op of the chain.
         nbytes = sum(2 * numel_at_one(tensor_val(n)) * tensor_val(n).element_size() for n in intermediates)
         removed, name = chain.replaced(), chain.decode.name
+        x, projections = self._shared_input(chain, params), chain.projections()
         with graph.inserting_before(chain.norm):
-            fused = graph.call_function(k3.kda_decode_fused.default, chain.fused_args())
+            if x is None:
+                fused = graph.call_function(k3.kda_decode_fused.default, chain.fused_args())
+            else:  # the projections replaced by their input and weights
+                rest = [a for i, a in enumerate(chain.fused_args()) if i not in (0, 1, 2, 13, 17)]  # q k v beta gate
+                fused = graph.call_function(k3.kda_decode_fused_proj.default,
+                                            (x, *(p.args[1] for p in projections), *rest))
         fused.meta["nn_module_stack"] = chain.norm.meta.get("nn_module_stack", {})
         chain.norm.replace_all_uses_with(fused)
         for node in removed:
             graph.erase_node(node)
-        names = [n.target.overloadpacket._qualified_op_name.replace("::", ".") for n in fused_nodes]
+        if x is not None:
+            for node in projections:
+                graph.erase_node(node)
+            fused_nodes = [*projections, *fused_nodes]
+        launches = 1 if x is None else 2
+        names = [op_name(n) for n in fused_nodes]
         ops = ", ".join(f"{op} x{names.count(op)}" if names.count(op) > 1 else op for op in dict.fromkeys(names))
         stats = {
-            "launches_removed": len(fused_nodes) - 1,
+            "launches_removed": len(fused_nodes) - launches,
             "nodes_removed": len(removed),
             "nodes_added": 1,
             "bytes_removed": nbytes,
         }
-        detail = f"layer {layer_of(fused)}: {ops} -> k3.kda_decode_fused ({len(fused_nodes)} launches -> 1)"
+        detail = (f"layer {layer_of(fused)}: {ops} -> {op_name(fused)} ({len(fused_nodes)} launches -> {launches}"
+                  f"{'' if x is None else ': one GEMM over the five weights, then the kernel'})")
         return Rewrite(name, detail, stats)
 
 

@@ -55,6 +55,7 @@ from k3compile.distributed import init_context_parallel
 from k3compile.runtime.decode_graphs import DecodeGraphs
 from k3compile.runtime.memory_budget import cache_bytes, check_fits, weight_bytes
 from k3compile.runtime.rank_group import RankFailed, RanksMissing, RankWatch, init_distributed
+from k3compile.runtime.weight_layout import grouped_parameters
 from k3compile.runtime.sampling import SamplingParams, sample
 from k3compile.sequences import (Generation, GenerationStopped, RequestError, SequenceTable, check_max_new_tokens,
                                   generate_tokens, is_whole_number)
@@ -205,15 +206,17 @@ def load_rank_weights(
 ) -> tuple[dict[str, Tensor], LoadReport]:
     """Every program parameter (this rank's slice, read from the source checkpoint) and
     every per-rank constant buffer; with ``check_finite`` a floating parameter holding NaN
-    or Inf is a CheckpointError naming it and its checkpoint tensors."""
+    or Inf is a CheckpointError naming it and its checkpoint tensors. Parameters that an op
+    multiplies in one GEMM are views of one buffer (``weight_layout.grouped_parameters``)."""
     report = LoadReport()
     weights: dict[str, Tensor] = {name: c.tensor(plan, device) for name, c in artifact.constants.items()}
+    grouped = grouped_parameters(program, device)
     prefix = artifact.config.checkpoint_prefix
     names = [s.target for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
     with CheckpointReader(artifact.info.model_dir, prefix) as reader:
         for i, name in enumerate(names):
             meta = program.state_dict[name]
-            param = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            param = grouped[name] if name in grouped else torch.empty(meta.shape, dtype=meta.dtype, device=device)
             fill_parameter(reader, name, artifact.specs[name], plan, param, report)
             if check_finite and param.is_floating_point() and not bool(torch.isfinite(param).all()):
                 raise CheckpointError(f"parameter {name} (checkpoint {', '.join(artifact.specs[name].names[:2])}"

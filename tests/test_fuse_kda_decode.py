@@ -1,4 +1,6 @@
-"""The fuse_kda_decode pass: each KDA layer's decode chain becomes one k3.kda_decode_fused.
+"""The fuse_kda_decode pass: each KDA layer's decode chain, with the five projections it
+reads, becomes one k3.kda_decode_fused_proj (k3.kda_decode_fused where a projection has
+another reader).
 
 The tiny K3 (4 KDA layers) is compiled with and without the pass: translation validation
 of the decode graph, the ops left in both graphs, prefill untouched, and the runtime's
@@ -22,7 +24,7 @@ from k3compile.targets import get_target
 
 k3 = torch.ops.k3
 aten = torch.ops.aten
-FUSED = "k3.kda_decode_fused.default"
+FUSED = "k3.kda_decode_fused_proj.default"
 REPLACED = ("k3.kda_decode.default", "k3.short_conv_decode.default", "k3.gated_rms_norm.default",
             "k3.kda_gate.default")
 PROMPTS = [[5, 9, 100, 7, 3], [17, 4], [300]]
@@ -52,15 +54,19 @@ def test_decode_chain_is_fused_and_validated(compiled):
     assert decode.phase == "decode" and prefill.phase == "prefill"
     assert decode.result.matches == n and not decode.result.skipped
     assert decode.report.ok and decode.report.max_error == 0.0  # the same ops, the same order of math
-    # fp32: remove_noops already dropped beta's .float(), so 7 compute ops -> 1 per layer
-    assert decode.result.stats["launches_removed"] == 6 * n
+    # fp32: remove_noops already dropped beta's .float(), so 7 compute ops and 5 projections
+    # -> one GEMM and the kernel per layer
+    assert decode.result.stats["launches_removed"] == 10 * n
     assert decode.result.stats["nodes_added"] == n
-    assert all("k3.short_conv_decode x3" in r.detail for r in decode.result.rewrites)
+    assert all("aten.linear x5, k3.short_conv_decode x3" in r.detail and "one GEMM over the five weights" in r.detail
+               for r in decode.result.rewrites)
 
     ops = count_ops(fused.captured.programs["decode"].graph_module)
     assert ops.get(FUSED) == n
     assert not any(ops.get(name) for name in REPLACED)
-    assert count_ops(plain.captured.programs["decode"].graph_module)["k3.kda_decode.default"] == n
+    plain_ops = count_ops(plain.captured.programs["decode"].graph_module)
+    assert plain_ops["k3.kda_decode.default"] == n
+    assert ops["aten.linear.default"] == plain_ops["aten.linear.default"] - 5 * n
     # Inputs keep their symbolic sizes (a pass must not specialise e.g. the cache slot count).
     inputs = [[str(n.meta["val"].shape) for n in r.captured.programs["decode"].graph.nodes if n.op == "placeholder"]
               for r in (plain, fused)]
@@ -78,19 +84,31 @@ def _run(out):
     tokens = logits.argmax(-1).tolist()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step = rt.decode(seqs, tokens)
-    fused_calls = sum(e.name == "k3::kda_decode_fused" for e in prof.events())
+    fused_calls = sum(e.name == "k3::kda_decode_fused_proj" for e in prof.events())
     for seq in seqs:
         rt.release(seq)
-    return step, fused_calls, rt.generate(PROMPTS, NEW_TOKENS)
+    return step, fused_calls, rt.generate(PROMPTS, NEW_TOKENS), rt
 
 
 def test_runtime_tokens_unchanged(compiled):
     plain, fused = compiled
-    step_plain, calls_plain, tokens_plain = _run(plain.out_dir)
-    step_fused, calls_fused, tokens_fused = _run(fused.out_dir)
+    step_plain, calls_plain, tokens_plain, _ = _run(plain.out_dir)
+    step_fused, calls_fused, tokens_fused, rt = _run(fused.out_dir)
     assert (calls_plain, calls_fused) == (0, _kda_layers(fused))  # one fused op per KDA layer per step
     torch.testing.assert_close(step_fused, step_plain, rtol=0, atol=1e-6)
     assert tokens_fused == tokens_plain
+    # The runtime laid each layer's five projection weights out as consecutive rows of one
+    # buffer, and the prefill program reads the same tensors.
+    from k3compile.runtime.weight_layout import consecutive_rows, row_groups
+
+    groups = row_groups(fused.captured.programs["decode"])
+    assert len(groups) == _kda_layers(fused)
+    for group in groups:
+        assert [name.rsplit(".", 2)[-2] for name in group] == ["q_proj", "k_proj", "v_proj", "g_proj", "b_proj"]
+        rows = consecutive_rows([rt.weights[name] for name in group])
+        assert rows is not None and rows.shape[0] == sum(rt.weights[name].shape[0] for name in group)
+        prefill = rt.graph_modules["prefill"].get_parameter(group[0])
+        assert prefill.data_ptr() == rt.weights[group[0]].data_ptr()
 
 
 def test_intermediate_with_another_user_is_skipped(compiled):
@@ -119,6 +137,31 @@ def test_intermediate_with_another_user_is_skipped(compiled):
     assert count_ops(gm)["k3.kda_decode.default"] == 1
 
 
+def test_a_projection_with_another_reader_keeps_the_projections_outside(compiled):
+    """Layer 0's q projection also feeds the output: its chain still fuses, into
+    k3.kda_decode_fused reading the five projections (they are computed anyway)."""
+    plain, _ = compiled
+    program = copy.deepcopy(plain.captured.programs["decode"])
+    gm = program.graph_module
+    norm = next(n for n in gm.graph.nodes if n.target is k3.gated_rms_norm.default)
+    conv = next(n for n in gm.graph.nodes if n.target is k3.short_conv_decode.default)
+    q = conv.args[0]
+    with gm.graph.inserting_after(norm):
+        mean = gm.graph.call_function(aten.mean.default, (q,))
+    with gm.graph.inserting_after(mean):
+        bumped = gm.graph.call_function(aten.add.Tensor, (norm, mean))
+    norm.replace_all_uses_with(bumped, delete_user_cb=lambda user: user is not bumped)
+    ctx = PassContext(plain.captured.config, plain.captured.plan, get_target("cpu"), "decode", program,
+                      plain.captured.specs)
+    result = FuseKDADecode().run(gm, ctx)
+    lint_graph(gm)
+    n = _kda_layers(plain)
+    assert result.matches == n and not result.skipped
+    ops = count_ops(gm)
+    assert (ops["k3.kda_decode_fused.default"], ops[FUSED]) == (1, n - 1)
+    assert q in mean.args and q.target is aten.linear.default
+
+
 def test_op_schema_and_fake():
     """opcheck: the declared mutations are the real ones, the fake matches the reference."""
     B, S, H, D, DV, K = 3, 5, 2, 8, 16, 4
@@ -136,6 +179,17 @@ def test_op_schema_and_fake():
     torch.library.opcheck(k3.kda_decode_fused.default, args, test_utils=("test_schema", "test_faketensor"))
     out = k3.kda_decode_fused(*copy.deepcopy(args))
     assert out.shape == (B, H, DV) and out.dtype == torch.float32
+    # the proj variant: x [B, 8] and the q, k, v, g, b weights instead of the projections
+    x = r(B, 8)
+    weights = (r(H * D, 8), r(H * D, 8), r(H * DV, 8), r(H * DV, 8), r(H, 8))
+    rest = [a for i, a in enumerate(args) if i not in (0, 1, 2, 13, 17)]
+    proj_args = (x, *weights, *rest)
+    torch.library.opcheck(k3.kda_decode_fused_proj.default, proj_args, test_utils=("test_schema", "test_faketensor"))
+    q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in weights)
+    unfused = list(copy.deepcopy(args))
+    unfused[0:3], unfused[13], unfused[17] = (q, k, v), b, g
+    want = k3.kda_decode_fused(*unfused)
+    assert torch.equal(k3.kda_decode_fused_proj(*copy.deepcopy(proj_args)), want)
 
 
 @pytest.mark.slow
@@ -146,5 +200,5 @@ def test_fused_at_tp2_validates_on_gloo_ranks(model_dirs, tmp_path, optimize_sha
     assert decode.result.matches == _kda_layers(result)
     assert decode.report.ok and decode.report.max_error == 0.0  # on 2 gloo ranks
     fused = next(n for n in result.captured.programs["decode"].graph.nodes
-                 if n.target is k3.kda_decode_fused.default)
+                 if n.target is k3.kda_decode_fused_proj.default)
     assert str(fused.meta["placement"]) == "S(1)"  # the heads, as kda_decode's output

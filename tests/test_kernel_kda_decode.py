@@ -277,6 +277,44 @@ def test_op_kernel_prepares_its_arguments(request: pytest.FixtureRequest) -> Non
         assert torch.equal(fused[name], ref[name]), name
 
 
+def test_proj_op_runs_one_gemm_over_consecutive_weights(request: pytest.FixtureRequest) -> None:
+    """``k3::kda_decode_fused_proj``'s kernel path: with the five projection weights laid out
+    as consecutive rows of one buffer (as the runtime loads them) one GEMM, whose columns the
+    kernel reads in place; with separate weights one GEMM each. Both equal the op's reference
+    (the five linears, then the chain) within the kernel's tolerance."""
+    if not runs_here(request, "interpret"):
+        return
+    from k3compile.ops.kda_fused import kda_decode_fused_proj
+    from k3compile.runtime.weight_layout import consecutive_rows
+
+    case = Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=None, dtype=torch.float32)
+    fixed, _ = make_inputs(case, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    H, D, DV, hidden = case.heads, case.head_dim, case.head_dim_v, 24
+    rows = [H * D, H * D, H * DV, H * DV, H]  # q, k, v, g, b
+    buffer = torch.randn(sum(rows), hidden, generator=gen) * 0.2
+    laid_out = buffer.split(rows)
+    assert consecutive_rows(laid_out) is not None
+    separate = [w.clone() for w in laid_out]
+    assert consecutive_rows(separate) is None
+    x = torch.randn(case.batch, hidden, generator=gen)
+    a = torch.randn(case.batch, H * D, generator=gen)
+    ref_inputs = _with_own_states(fixed)
+    y_ref = kda_decode_fused_proj(x, *separate, *(ref_inputs[n] for n in _PROJ_REST[:6]), a,
+                                  *(ref_inputs[n] for n in _PROJ_REST[6:]))
+    for weights in (laid_out, separate):
+        inputs = _with_own_states(fixed)
+        y = kda.kda_decode_fused_proj_op(x, *weights, *(inputs[n] for n in _PROJ_REST[:6]), a,
+                                         *(inputs[n] for n in _PROJ_REST[6:]))
+        assert_close_scaled(y, y_ref, torch.float32, roundings=KDA_Y(torch.float32), dims=-1, what="y")
+        assert_close_scaled(inputs["state"], ref_inputs["state"], torch.float32, roundings=KDA_STATE, what="state")
+
+
+# kda_decode_fused_proj's arguments after x, the five weights (and a, between them)
+_PROJ_REST = ("conv_weight_q", "conv_weight_k", "conv_weight_v", "conv_state_q", "conv_state_k", "conv_state_v",
+              "A_log", "dt_bias", "lower_bound", "state", "slots", "scale", "norm_weight", "eps")
+
+
 # The plans kda_decode_plans.launch_config picks at K3's per-rank shapes (12 heads, D = DV =
 # 128): (batch, the targets ("+pdl": under programmatic dependent launch) that pick it,
 # (value tile, tiles per program, stages)). Triton's interpreter ignores warps, the

@@ -38,6 +38,13 @@ Implementations:
   (``k3compile.runtime.kernels.register_gpu_kernels``); this module does not import it.
 - fake: ``[B, H, DV]`` like v.
 
+``k3::kda_decode_fused_proj`` is the same step from the layer's input ``x`` and the five
+projection weights it reads (q, k, v, g and b; column-parallel), so that the projections
+can run as ONE GEMM: the runtime lays those weights out as consecutive rows of one buffer
+at load (``k3compile/runtime/weight_layout.py``), and its GPU implementation multiplies x
+by all their rows at once and hands the kernel column views of the product. Its reference
+computes the five ``linear``s and then the chain: exactly what the graph did.
+
 Placement: per head, as for the ops it replaces (``k3compile/placement/k3_rules.py``).
 """
 
@@ -46,10 +53,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["MUTATED", "kda_decode_chain_reference", "kda_decode_fused"]
+__all__ = ["MUTATED", "PROJECTION_WEIGHTS", "kda_decode_chain_reference", "kda_decode_fused",
+           "kda_decode_fused_proj"]
 
 #: The op's in-place arguments (rank-local caches).
 MUTATED = ("conv_state_q", "conv_state_k", "conv_state_v", "state")
+#: ``kda_decode_fused_proj``'s weights, in the order the runtime lays their rows out (the
+#: 16-byte-aligned widths first: b has only H rows)
+PROJECTION_WEIGHTS = ("q_weight", "k_weight", "v_weight", "g_weight", "b_weight")
 
 
 def kda_decode_chain_reference(
@@ -126,6 +137,51 @@ def _(
 ) -> Tensor:
     _, H, _, DV = state.shape
     return v.new_empty(v.shape[0], H, DV)
+
+
+
+@torch.library.custom_op("k3::kda_decode_fused_proj", mutates_args=MUTATED)
+def kda_decode_fused_proj(
+    x: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    v_weight: Tensor,
+    g_weight: Tensor,
+    b_weight: Tensor,
+    conv_weight_q: Tensor,
+    conv_weight_k: Tensor,
+    conv_weight_v: Tensor,
+    conv_state_q: Tensor,
+    conv_state_k: Tensor,
+    conv_state_v: Tensor,
+    a: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float,
+    state: Tensor,
+    slots: Tensor,
+    scale: float,
+    norm_weight: Tensor,
+    eps: float,
+) -> Tensor:
+    """One KDA decode step from the layer input x [B, hidden]: q/k/v/g/b = x @ W^T, then
+    :func:`kda_decode_fused` (b is beta's logits, g the output gate); reference."""
+    q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in (q_weight, k_weight, v_weight, g_weight, b_weight))
+    return kda_decode_chain_reference(
+        q, k, v, conv_weight_q, conv_weight_k, conv_weight_v, conv_state_q, conv_state_k, conv_state_v,
+        a, A_log, dt_bias, lower_bound, b, state, slots, scale, g, norm_weight, eps,
+    )
+
+
+@kda_decode_fused_proj.register_fake
+def _(
+    x: Tensor, q_weight: Tensor, k_weight: Tensor, v_weight: Tensor, g_weight: Tensor, b_weight: Tensor,
+    conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor, conv_state_q: Tensor,
+    conv_state_k: Tensor, conv_state_v: Tensor, a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
+    state: Tensor, slots: Tensor, scale: float, norm_weight: Tensor, eps: float,
+) -> Tensor:
+    _, H, _, DV = state.shape
+    return x.new_empty(x.shape[0], H, DV)
 
 
 # Placement rule and cost: k3compile/placement/k3_rules.py.

@@ -20,7 +20,7 @@ from k3compile.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from k3compile.ops.dcp import dcp_local_lengths, dcp_merge, dcp_pack, dcp_rescale
 from k3compile.ops.kda import gated_rms_norm, kda_decode, kda_gate, kda_prefill, short_conv_decode, short_conv_prefill
 from k3compile.ops.kda_fused import MUTATED as KDA_FUSED_CACHES
-from k3compile.ops.kda_fused import kda_decode_fused
+from k3compile.ops.kda_fused import PROJECTION_WEIGHTS, kda_decode_fused, kda_decode_fused_proj
 from k3compile.ops.mla import (
     mla_cache_write,
     mla_decode,
@@ -120,12 +120,12 @@ register_op_rules({
 # Shard(1) (heads).
 
 
-def _fused_cost(call: CostCall) -> Cost:
+def _fused_cost(call: CostCall, batch_arg: str = "q") -> Cost:
     """The replaced ops' FLOPs (conv 2K+4 per channel, gate 5 and L2 norms 6 per key
     element, beta sigmoid 1 per head, delta rule 7*D*DV per head, norm 6 per value) and the
     bytes one launch must move: inputs and output (weights included) plus the three conv
     states and the fp32 recurrent state, each read and written once per sequence."""
-    B = call.size("q", 0)
+    B = call.size(batch_arg, 0)
     _, H, D, DV = call.shape("state")
     K = call.size("conv_weight_q", 1)
     qk, vv = H * D, H * DV
@@ -144,8 +144,25 @@ _FUSED_SHARDED = {
     "conv_state_q": 1, "conv_state_k": 1, "conv_state_v": 1,
     "a": 1, "A_log": 0, "dt_bias": 0, "beta": 1, "state": 1, "gate": 1,
 }
+
+
+def _fused_proj_cost(call: CostCall) -> Cost:
+    """The fused step's cost plus the five projections' GEMM (2 FLOPs per weight and row)."""
+    step = _fused_cost(call, batch_arg="x")
+    gemm = 2 * call.size("x", 0) * sum(call.numel(w) for w in PROJECTION_WEIGHTS)
+    return Cost(step.flops + gemm, step.bytes)
+
+
+# The proj variant reads x (Replicate) and the column-parallel projection weights (Shard(0))
+# in place of the projections.
+_FUSED_PROJ_SHARDED = {
+    **{k: d for k, d in _FUSED_SHARDED.items() if k not in ("q", "k", "v", "beta", "gate")},
+    **{w: 0 for w in PROJECTION_WEIGHTS},
+}
 register_op_rules({
     kda_decode_fused: split(_FUSED_SHARDED, out=1, what="heads", caches=KDA_FUSED_CACHES, cost=_fused_cost),
+    kda_decode_fused_proj: split(_FUSED_PROJ_SHARDED, out=1, what="heads", caches=KDA_FUSED_CACHES,
+                                 cost=_fused_proj_cost),
 })
 
 # --------------------------------------------------------------------------- mla

@@ -42,8 +42,9 @@ from k3compile.runtime.kernels.kda_decode_plans import (
     launch_grid,
     supports_pdl,
 )
+from k3compile.runtime.weight_layout import consecutive_rows
 
-__all__ = ["kda_decode_fused", "kda_decode_fused_op", "register_kernels"]
+__all__ = ["kda_decode_fused", "kda_decode_fused_op", "kda_decode_fused_proj_op", "register_kernels"]
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -247,7 +248,29 @@ def kda_decode_fused_op(
     )
 
 
+def kda_decode_fused_proj_op(
+    x: Tensor, q_weight: Tensor, k_weight: Tensor, v_weight: Tensor, g_weight: Tensor, b_weight: Tensor,
+    conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor, conv_state_q: Tensor,
+    conv_state_k: Tensor, conv_state_v: Tensor, a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
+    state: Tensor, slots: Tensor, scale: float, norm_weight: Tensor, eps: float,
+) -> Tensor:
+    """``k3::kda_decode_fused_proj``: the five projections as ONE GEMM when the runtime laid
+    their weights out as consecutive rows of one buffer (``weight_layout``), else one GEMM
+    each; the kernel then reads the projections' columns in place (row-strided views)."""
+    weights = (q_weight, k_weight, v_weight, g_weight, b_weight)
+    rows = consecutive_rows(weights)
+    if rows is not None:
+        q, k, v, g, b = torch.nn.functional.linear(x, rows).split([w.shape[0] for w in weights], dim=1)
+    else:
+        q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in weights)
+    return kda_decode_fused_op(q, k, v, conv_weight_q, conv_weight_k, conv_weight_v, conv_state_q, conv_state_k,
+                               conv_state_v, a, A_log, dt_bias, lower_bound, b, state, slots, scale, g, norm_weight,
+                               eps)
+
+
 def register_kernels(device_type: str) -> None:
-    """Make :func:`kda_decode_fused_op` the ``device_type`` implementation of
-    ``k3::kda_decode_fused`` (registering again replaces the same function)."""
+    """Make :func:`kda_decode_fused_op` and :func:`kda_decode_fused_proj_op` the
+    ``device_type`` implementations of ``k3::kda_decode_fused`` and
+    ``k3::kda_decode_fused_proj`` (registering again replaces the same functions)."""
     fused_op.kda_decode_fused.register_kernel(device_type)(kda_decode_fused_op)
+    fused_op.kda_decode_fused_proj.register_kernel(device_type)(kda_decode_fused_proj_op)
