@@ -79,7 +79,7 @@ def test_decode_chain_is_fused_and_validated(compiled):
 
 
 def _run(out):
-    rt = runtime.load(out, options=runtime.RuntimeOptions(max_sequences=len(PROMPTS), max_context=32))
+    rt = runtime.load(out, options=runtime.RuntimeOptions(max_sequences=len(PROMPTS), max_context=32, device="cpu"))
     seqs, logits = rt.prefill(PROMPTS)
     tokens = logits.argmax(-1).tolist()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

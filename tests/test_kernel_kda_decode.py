@@ -54,7 +54,7 @@ CAN_COMPILE = not KERNEL_INTERPRETED or aot._language_interpreted()
 _CHILD_ENV = "K3_TEST_KDA_DECODE_CHILD"
 # The tests that need one mode (each starts with runs_here); a child runs only these.
 _MODE_TESTS = {"interpret": "test_fused_matches_unfused_chain or test_op_kernel_prepares_its_arguments or "
-                           "test_k3_per_rank_shapes",
+                           "test_k3_per_rank_shapes or test_proj_op_runs_one_gemm_over_consecutive_weights",
                "compile": "test_aot_compiles_and_fits or test_pdl_reads_only_the_state_before_waiting"}
 _child_runs: dict[str, tuple[dict[str, str], str]] = {}
 
@@ -280,12 +280,15 @@ def test_op_kernel_prepares_its_arguments(request: pytest.FixtureRequest) -> Non
 def test_proj_op_runs_one_gemm_over_consecutive_weights(request: pytest.FixtureRequest) -> None:
     """``k3::kda_decode_fused_proj``'s kernel path: with the five projection weights laid out
     as consecutive rows of one buffer (as the runtime loads them) one GEMM, whose columns the
-    kernel reads in place; with separate weights one GEMM each. Both equal the op's reference
-    (the five linears, then the chain) within the kernel's tolerance."""
-    if not runs_here(request, "interpret"):
-        return
-    from k3compile.ops.kda_fused import kda_decode_fused_proj
+    kernel reads in place; with separate weights one GEMM each. Both equal the reference (the
+    five linears on the CPU, then the chain) within the kernel's tolerance. On a GPU machine
+    also on the GPU (cuBLAS and the compiled kernel)."""
     from k3compile.runtime.weight_layout import consecutive_rows
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not runs_here(request, "interpret"):
+        return
+    dev = "cuda" if on_gpu else "cpu"
 
     case = Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=None, dtype=torch.float32)
     fixed, _ = make_inputs(case, seed=12)
@@ -300,14 +303,17 @@ def test_proj_op_runs_one_gemm_over_consecutive_weights(request: pytest.FixtureR
     x = torch.randn(case.batch, hidden, generator=gen)
     a = torch.randn(case.batch, H * D, generator=gen)
     ref_inputs = _with_own_states(fixed)
-    y_ref = kda_decode_fused_proj(x, *separate, *(ref_inputs[n] for n in _PROJ_REST[:6]), a,
-                                  *(ref_inputs[n] for n in _PROJ_REST[6:]))
-    for weights in (laid_out, separate):
-        inputs = _with_own_states(fixed)
-        y = kda.kda_decode_fused_proj_op(x, *weights, *(inputs[n] for n in _PROJ_REST[:6]), a,
+    q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in separate)
+    y_ref = kda_decode_chain_reference(q, k, v, a=a, beta=b, gate=g,
+                                       **{n: ref_inputs[n] for n in _PROJ_REST})
+    on = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    for weights in (buffer.to(dev).split(rows), [on(w) for w in separate]):
+        inputs = {n: on(t) for n, t in _with_own_states(fixed).items()}
+        y = kda.kda_decode_fused_proj_op(on(x), *weights, *(inputs[n] for n in _PROJ_REST[:6]), on(a),
                                          *(inputs[n] for n in _PROJ_REST[6:]))
-        assert_close_scaled(y, y_ref, torch.float32, roundings=KDA_Y(torch.float32), dims=-1, what="y")
-        assert_close_scaled(inputs["state"], ref_inputs["state"], torch.float32, roundings=KDA_STATE, what="state")
+        assert_close_scaled(y.cpu(), y_ref, torch.float32, roundings=KDA_Y(torch.float32), dims=-1, what="y")
+        assert_close_scaled(inputs["state"].cpu(), ref_inputs["state"], torch.float32, roundings=KDA_STATE,
+                            what="state")
 
 
 # kda_decode_fused_proj's arguments after x, the five weights (and a, between them)
