@@ -54,6 +54,8 @@ KERNELS_OF_OP = {
     "k3.moe_experts_mxfp4.default": ("_expert_gemm_kernel", "_expert_gemm_kernel", "_combine_kernel"),
     "k3.add_rank_block_linear.default": ("_rows_gemv_add_kernel",),
     "k3.kda_decode_fused.default": ("kda_decode_kernel",),
+    "k3.kda_decode_fused_proj.default": ("kda_decode_kernel",),
+    "k3.situ_and_mul.default": ("_situ_and_mul_kernel",),
     "k3.mla_decode_split_kv.default": ("_mla_decode_split_kv_kernel", "_combine_splits_kernel"),
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),
@@ -62,7 +64,7 @@ KERNELS_OF_OP = {
 FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
 #: kernels of both phases: the AttnRes mixes (fused with their norms), the MoE tail
 BOTH_PHASES = {"_attn_res_mix_kernel", "_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel",
-               "_rows_gemv_add_kernel"}
+               "_rows_gemv_add_kernel", "_situ_and_mul_kernel"}
 DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel", "_dcp_pack_kernel",
                "_dcp_merge_kernel"}
 

@@ -84,6 +84,9 @@ ATTN_RES = Roundings(low=1, fp32=64)
 #: The mix + RMSNorm against the op's reference, which rounds the mix where the kernel does:
 #: a one-ulp flip of the mix (2) carried through the norm, and the output's rounding (1).
 ATTN_RES_NORM = Roundings(low=3, fp32=64)
+#: SiTU-GLU against its reference, per element against max |want| of its row: the output's
+#: rounding (1) and fp32 tanh / sigmoid / exp a few fp32 roundings apart from torch's.
+SITU = Roundings(low=1, fp32=16)
 #: The op reference of add_rank_block_linear rounds x @ W^T to x's dtype before the add:
 #: one rounding more.
 ROWS_OP_REFERENCE = Roundings(low=2, fp32=64)

@@ -89,10 +89,10 @@ def interpreted() -> bool:
 def _import_kernel_modules() -> tuple[Any, ...]:
     """The modules that register kernels, in registration order (imported here: they import
     Triton, which importing this package must not)."""
-    from k3compile.runtime.kernels import (attn_res, dcp_merge, kda_decode, mla_cache_write, mla_decode, moe, routing,
-                                           rows)
+    from k3compile.runtime.kernels import (activations, attn_res, dcp_merge, kda_decode, mla_cache_write, mla_decode,
+                                           moe, routing, rows)
 
-    return rows, attn_res, routing, moe, mla_cache_write, mla_decode, kda_decode, dcp_merge
+    return rows, activations, attn_res, routing, moe, mla_cache_write, mla_decode, kda_decode, dcp_merge
 
 
 def register_gpu_kernels(device_type: str = "cuda") -> None:
