@@ -1,7 +1,8 @@
 """Parameters laid out as consecutive rows of one buffer, so that one GEMM reads them all.
 
 Some k3 ops take several weights that multiply the same input (``k3::kda_decode_fused_proj``:
-a KDA layer's q, k, v, g and b projections). Their kernels run ONE GEMM over all those rows
+a KDA layer's q, k, v, g and b projections; ``k3::situ_and_mul_proj``: an MLP's gate and
+up). Their kernels run ONE GEMM over all those rows
 when the weights are consecutive row blocks of one tensor (:func:`consecutive_rows`), and one
 GEMM per weight otherwise: the same values either way, up to the GEMM's accumulation order.
 At load the runtime allocates each such group as one buffer and makes its parameters views
@@ -17,10 +18,13 @@ import torch
 from torch import Tensor
 from torch.export import ExportedProgram
 
-from k3compile.ops.kda_fused import PROJECTION_WEIGHTS
+from k3compile.ops import activations, kda_fused
 
 #: op -> its weight arguments to lay out as consecutive rows, in this order
-ROW_GROUPS: dict[object, tuple[str, ...]] = {torch.ops.k3.kda_decode_fused_proj.default: PROJECTION_WEIGHTS}
+ROW_GROUPS: dict[object, tuple[str, ...]] = {
+    torch.ops.k3.kda_decode_fused_proj.default: kda_fused.PROJECTION_WEIGHTS,
+    torch.ops.k3.situ_and_mul_proj.default: activations.PROJECTION_WEIGHTS,
+}
 
 
 def consecutive_rows(weights: Sequence[Tensor]) -> Tensor | None:

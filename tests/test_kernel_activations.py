@@ -63,3 +63,19 @@ def test_compiles_for_every_target_without_spills(aot_reports):
     for target in TARGETS:
         res = aot_reports[target]
         assert res.fits and res.spills == 0 and 0 < res.registers <= 64 and res.shared_bytes == 0, (target, res)
+
+
+def test_proj_runs_one_gemm_over_consecutive_weights():
+    """``k3::situ_and_mul_proj``'s kernel path: gate and up weights laid out as consecutive
+    rows of one buffer (as the runtime loads them) or separate, against the reference."""
+    from k3compile.runtime.weight_layout import consecutive_rows
+
+    gen = torch.Generator().manual_seed(4)
+    both = torch.randn(2 * 96, 40, generator=gen) * 0.3
+    x = torch.randn(3, 40, generator=gen)
+    want = situ_glu(torch.nn.functional.linear(x, both[:96]), torch.nn.functional.linear(x, both[96:]), 4.0, 25.0)
+    laid_out = both.to(DEVICE).split(96)
+    assert consecutive_rows(laid_out) is not None
+    for weights in (laid_out, [w.clone() for w in laid_out]):
+        got = activations.situ_and_mul_proj(x.to(DEVICE), *weights, 4.0, 25.0)
+        assert_close_scaled(got.cpu(), want, torch.float32, roundings=SITU(torch.float32) + 4, dims=-1)

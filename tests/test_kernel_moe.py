@@ -437,7 +437,7 @@ def test_register_gpu_kernels_covers_the_ops_and_is_idempotent():
 
     accelerated = ("rms_norm", "add_rank_block", "add_rank_block_linear", "router_logits", "sigmoid_topk_route",
                    "moe_experts_mxfp4", "mla_decode", "mla_decode_split_kv", "kda_decode_fused",
-                   "kda_decode_fused_proj", "dcp_rescale", "dcp_pack", "dcp_merge", "situ_and_mul",
+                   "kda_decode_fused_proj", "dcp_rescale", "dcp_pack", "dcp_merge", "situ_and_mul", "situ_and_mul_proj",
                    "attn_res_mix", "attn_res_mix_norm")
     register_gpu_kernels()
     register_gpu_kernels()  # a second call changes nothing

@@ -35,7 +35,7 @@ MISSION_PASSES = {
     "mxfp4_experts": "k3.moe_experts_mxfp4.default +6",
     "dedup_replicated_linear": "k3.add_rank_block_linear.default +6",
     "sink_copies": "same counts",  # the copies move into a branch
-    "fuse_kda_decode": "k3.kda_decode_fused.default +4",
+    "fuse_kda_decode": "k3.kda_decode_fused_proj.default +4",
     "split_mla_context": "k3.dcp_merge.default +3",
     "pad_attention_heads": "k3.pad_heads.default +3",
 }
@@ -141,7 +141,7 @@ def test_pass_sections_show_what_each_pass_did(executed):
     dedup = out("dedup_replicated_linear")
     assert "weights/GPU" in dedup and "FLOPs/token" in dedup and "c10d" not in dedup  # no collective added
     assert "launches if false" in out("sink_copies")
-    assert "-24 launches" in out("fuse_kda_decode")  # 6 per KDA layer, 4 KDA layers
+    assert "-40 launches" in out("fuse_kda_decode")  # 10 per KDA layer (7 ops and 5 projections -> 2), 4 layers
     assert "KV cache/token" in out("split_mla_context") and "+6 collectives" in out("split_mla_context")
     assert "heads 4 -&gt; 16" in rich(tagged(executed, "pass-pad_attention_heads"), "text/html")
     prefill = stdout(tagged(executed, "pass-split_mla_context-prefill"))

@@ -56,6 +56,7 @@ KERNELS_OF_OP = {
     "k3.kda_decode_fused.default": ("kda_decode_kernel",),
     "k3.kda_decode_fused_proj.default": ("kda_decode_kernel",),
     "k3.situ_and_mul.default": ("_situ_and_mul_kernel",),
+    "k3.situ_and_mul_proj.default": ("_situ_and_mul_kernel",),
     "k3.mla_decode_split_kv.default": ("_mla_decode_split_kv_kernel", "_combine_splits_kernel"),
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),

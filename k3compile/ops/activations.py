@@ -5,6 +5,12 @@ up'   = bl * tanh(up / bl)                   (bl = activation_situ_linear_beta, 
 out   = gate' * up'
 
 Both branches are soft-clipped versions of SiLU and identity, computed in fp32.
+
+``k3::situ_and_mul_proj(x, gate_weight, up_weight, ...)`` is the op with the two
+projections that feed it (``gate = x @ W_gate^T``, ``up = x @ W_up^T``), so that they can
+run as ONE GEMM: the runtime lays the two weights out as consecutive rows of one buffer
+(``k3compile/runtime/weight_layout.py``) and its GPU implementation multiplies x by both at
+once. Its reference is the two linears and the op: what the graph computed.
 """
 
 from __future__ import annotations
@@ -30,4 +36,19 @@ def _(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     return torch.empty_like(gate)
 
 
-# Placement rule and cost: k3compile/placement/k3_rules.py.
+#: ``situ_and_mul_proj``'s weights, in the order the runtime lays their rows out
+PROJECTION_WEIGHTS = ("gate_weight", "up_weight")
+
+
+@torch.library.custom_op("k3::situ_and_mul_proj", mutates_args=())
+def situ_and_mul_proj(x: Tensor, gate_weight: Tensor, up_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+    gate, up = torch.nn.functional.linear(x, gate_weight), torch.nn.functional.linear(x, up_weight)
+    return situ_and_mul(gate, up, beta, linear_beta)
+
+
+@situ_and_mul_proj.register_fake
+def _(x: Tensor, gate_weight: Tensor, up_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+    return x.new_empty(*x.shape[:-1], gate_weight.shape[0])
+
+
+# Placement rules and costs: k3compile/placement/k3_rules.py.

@@ -15,7 +15,7 @@ from typing import Any
 from torch.fx import Node
 
 from k3compile.mla_cache_fp8 import SCALE_BYTES
-from k3compile.ops.activations import situ_and_mul
+from k3compile.ops.activations import situ_and_mul, situ_and_mul_proj
 from k3compile.ops.attn_res import attn_res_mix, attn_res_mix_norm
 from k3compile.ops.dcp import dcp_local_lengths, dcp_merge, dcp_pack, dcp_rescale
 from k3compile.ops.kda import gated_rms_norm, kda_decode, kda_gate, kda_prefill, short_conv_decode, short_conv_prefill
@@ -53,6 +53,17 @@ from k3compile.sharding import Partial, Shard
 # (two tanh, a sigmoid, scalings and products).
 
 register_op_rules({situ_and_mul: elementwise("gate", "up", flops_per_element=9)})
+
+
+def _situ_proj_cost(call: CostCall) -> Cost:
+    """The two projections' GEMM (2 FLOPs per weight and row) and the activation (9 per output)."""
+    rows = call.numel("x") // call.size("x", -1)
+    return Cost(2 * rows * (call.numel("gate_weight") + call.numel("up_weight")) + 9 * rows * call.size("gate_weight", 0))
+
+
+# With its projections: x Replicate, the column-parallel weights Shard(0) -> output Shard(-1).
+register_op_rules({situ_and_mul_proj: split({"gate_weight": 0, "up_weight": 0}, out=-1, what="intermediate",
+                                            cost=_situ_proj_cost)})
 
 # --------------------------------------------------------------------------- norm
 # Normalises each row over the last dim; 4 FLOPs per element.

@@ -1,4 +1,5 @@
-"""The SiTU-GLU activation as one launch: ``k3::situ_and_mul``.
+"""The SiTU-GLU activation as one launch: ``k3::situ_and_mul`` (and ``k3::situ_and_mul_proj``,
+its projections as one GEMM first).
 
 The op's torch reference (``k3compile/ops/activations.py``) is a chain of about a dozen
 elementwise kernels on a GPU (two fp32 casts, two divisions, two tanh, a sigmoid, the
@@ -22,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.runtime.kernels import counted
+from k3compile.runtime.weight_layout import consecutive_rows
 
 BLOCK = 1024  # columns per program
 
@@ -76,9 +78,22 @@ def situ_and_mul(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> T
     return out
 
 
+def situ_and_mul_proj(x: Tensor, gate_weight: Tensor, up_weight: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """``k3::situ_and_mul_proj``: gate and up as ONE GEMM when the runtime laid their weights
+    out as consecutive rows (``weight_layout``), else one each; then the kernel above,
+    reading the product's two column blocks in place."""
+    both = consecutive_rows((gate_weight, up_weight))
+    if both is not None:
+        gate, up = torch.nn.functional.linear(x, both).split([gate_weight.shape[0], up_weight.shape[0]], dim=-1)
+    else:
+        gate, up = torch.nn.functional.linear(x, gate_weight), torch.nn.functional.linear(x, up_weight)
+    return situ_and_mul(gate, up, beta, linear_beta)
+
+
 def register_kernels(device_type: str) -> None:
-    """Use the kernel for ``k3::situ_and_mul`` on ``device_type`` tensors (registering
-    again replaces the same function)."""
+    """Use the kernels for ``k3::situ_and_mul`` and ``k3::situ_and_mul_proj`` on
+    ``device_type`` tensors (registering again replaces the same functions)."""
     from k3compile.ops import activations
 
     activations.situ_and_mul.register_kernel(device_type)(situ_and_mul)
+    activations.situ_and_mul_proj.register_kernel(device_type)(situ_and_mul_proj)
