@@ -87,7 +87,7 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-import k3compile.ops.kda_fused  # noqa: F401  (registers torch.ops.k3.kda_decode_fused)
+from k3compile.ops.kda_fused import PROJECTION_WEIGHTS  # (importing it registers torch.ops.k3.kda_decode_fused*)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
 from k3compile.pipeline.node_queries import is_call, layer_of, numel_at_one, op_arg, op_name, other_users, tensor_val
 from k3compile.targets import GPU_DEVICES
@@ -161,6 +161,10 @@ def _split_view(view: object, heads: int, width: int) -> str:
         return (f"{view.name} views {list(src.shape)} as {list(out.shape)}, not as "
                 f"[T, {heads}, {width}] (heads of the recurrent state)")
     return ""
+
+
+def _arg_names(op: torch._ops.OpOverload) -> list[str]:
+    return [a.name for a in op._schema.arguments]
 
 
 def _power_of_two(n: int) -> bool:
@@ -295,10 +299,11 @@ class FuseKDADecode(GraphPass):
         with graph.inserting_before(chain.norm):
             if x is None:
                 fused = graph.call_function(k3.kda_decode_fused.default, chain.fused_args())
-            else:  # the projections replaced by their input and weights
-                rest = [a for i, a in enumerate(chain.fused_args()) if i not in (0, 1, 2, 13, 17)]  # q k v beta gate
+            else:  # the projections replaced by their input and weights, the other arguments as they were
+                by_name = dict(zip(_arg_names(k3.kda_decode_fused.default), chain.fused_args(), strict=True))
+                by_name.update(x=x, **{w: p.args[1] for w, p in zip(PROJECTION_WEIGHTS, projections, strict=True)})
                 fused = graph.call_function(k3.kda_decode_fused_proj.default,
-                                            (x, *(p.args[1] for p in projections), *rest))
+                                            tuple(by_name[n] for n in _arg_names(k3.kda_decode_fused_proj.default)))
         fused.meta["nn_module_stack"] = chain.norm.meta.get("nn_module_stack", {})
         chain.norm.replace_all_uses_with(fused)
         for node in removed:
