@@ -75,6 +75,28 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout(tp2):
         assert message.format(port=port) in done.stderr, done.stderr[-2000:]
 
 
+def test_a_rank_that_dies_during_start_up_is_named(tp2):
+    """Rank 1 joins the process group and dies before it has loaded anything; rank 0 loads
+    and prefills, and its first collective ends within the timeout naming rank 1."""
+    die = ("import os, torch; from k3compile.runtime.rank_group import init_distributed; "
+           f"init_distributed(2, torch.device('cpu'), {TIMEOUT_S}); os._exit(1)")
+    run = ("from k3compile import runtime; from k3compile.runtime import RuntimeOptions; "
+           f"rt = runtime.load({str(tp2)!r}, options=RuntimeOptions(max_sequences=1, max_context=16, device='cpu', "
+           f"rank_timeout_s={TIMEOUT_S})); rt.generate([[1, 2, 3]], 4)")
+    port = _free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", code], env=_rank_env(r, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, code in ((0, run), (1, die))]
+    start = time.monotonic()
+    try:
+        _, err = ranks[0].communicate(timeout=TIMEOUT_S + 90)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert ranks[0].returncode != 0 and time.monotonic() - start < TIMEOUT_S + 60
+    assert "RankFailed: rank 0: prefill failed because rank 1 stopped answering" in err, err[-2000:]
+
+
 @pytest.mark.parametrize("victim, how, named", [
     (1, signal.SIGKILL, "rank 1 stopped answering"),
     (0, signal.SIGKILL, "the rendezvous store is gone (rank 0 hosted it and stopped)"),
