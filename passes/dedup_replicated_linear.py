@@ -59,12 +59,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from k3compile.pipeline.graph_edits import add_rank_constant, reshard_parameter
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import layer_of
+from k3compile.pipeline.node_queries import layer_of, parameter_placeholders
 from k3compile.sharding import Partial, Replicate, ShardOffset
 from k3compile.targets import DEVICE_KINDS
 
@@ -122,9 +121,7 @@ class DedupReplicatedLinear(GraphPass):
         if ctx.plan.tp == 1:
             result.skipped.append(Skipped("*", "tp=1: no work is replicated across ranks"))
             return result
-        params = {
-            s.arg.name: s.target for s in ctx.program.graph_signature.input_specs if s.kind == InputKind.PARAMETER
-        }
+        params = parameter_placeholders(ctx.program)
         for node in list(gm.graph.nodes):
             if node.target is not aten.linear.default or node.meta.get("placement") != R:
                 continue

@@ -84,12 +84,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from k3compile.ops.kda_fused import PROJECTION_WEIGHTS  # (importing it registers torch.ops.k3.kda_decode_fused*)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import is_call, layer_of, numel_at_one, op_arg, op_name, other_users, tensor_val
+from k3compile.pipeline.node_queries import (is_call, is_linear_of_parameter, layer_of, numel_at_one, op_arg, op_name,
+                                             other_users, parameter_placeholders, tensor_val)
 from k3compile.targets import GPU_DEVICES
 
 aten = torch.ops.aten
@@ -187,6 +187,7 @@ class FuseKDADecode(GraphPass):
                                                "prefill runs the chunked kda_prefill"))
             return result
         gpu = ctx.target is not None and ctx.target.device != "cpu"
+        params = parameter_placeholders(ctx.program)
         for node in decodes:
             chain, reason = self._match(node)
             if chain is None:
@@ -198,7 +199,6 @@ class FuseKDADecode(GraphPass):
                     result.skipped.append(Skipped(node.name, f"the {ctx.target.name} kernel needs power-of-two "
                                                              f"head dims, got D={D}, DV={DV}"))
                     continue
-            params = {s.arg.name for s in ctx.program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
             result.add_rewrite(self._rewrite(gm, chain, params))
         result.changed = result.matches > 0
         return result
@@ -278,17 +278,16 @@ class FuseKDADecode(GraphPass):
         return len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
 
     @staticmethod
-    def _shared_input(chain: _Chain, params: set[str]) -> Node | None:
+    def _shared_input(chain: _Chain, params: dict[str, str]) -> Node | None:
         """The input x when every projection the fused op reads is ``linear(x, W)`` with W a
         parameter (no bias), the same x, and no other reader; else None."""
         linears = chain.projections()
-        if not all(is_call(n, {aten.linear.default}) and len(n.args) == 2 and not n.kwargs and len(n.users) == 1
-                   and n.args[1].op == "placeholder" and n.args[1].name in params for n in linears):
+        if not all(is_linear_of_parameter(n, params) and len(n.users) == 1 for n in linears):
             return None
         x = linears[0].args[0]
         return x if all(n.args[0] is x for n in linears) else None
 
-    def _rewrite(self, gm: GraphModule, chain: _Chain, params: set[str]) -> Rewrite:
+    def _rewrite(self, gm: GraphModule, chain: _Chain, params: dict[str, str]) -> Rewrite:
         graph = gm.graph
         fused_nodes = chain.compute_nodes()
         intermediates = [*chain.convs, chain.gate, *([chain.cast] if chain.cast else []), chain.sigmoid, chain.decode]

@@ -30,16 +30,14 @@ one per match), ``nodes_removed`` / ``nodes_added``.
 from __future__ import annotations
 
 import torch
-from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 import k3compile.ops.activations  # noqa: F401  (registers torch.ops.k3.situ_and_mul_proj)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import is_call, layer_of, op_arg
+from k3compile.pipeline.node_queries import is_linear_of_parameter, layer_of, op_arg, parameter_placeholders
 from k3compile.targets import GPU_DEVICES
 
 k3 = torch.ops.k3
-aten = torch.ops.aten
 
 
 @register_pass
@@ -53,7 +51,7 @@ class MergeGluProjections(GraphPass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(changed=False)
-        params = {s.arg.name for s in ctx.program.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
+        params = parameter_placeholders(ctx.program)
         for act in [n for n in gm.graph.nodes if n.target is k3.situ_and_mul.default]:
             reason = _why_not(act, params)
             if reason:
@@ -64,15 +62,13 @@ class MergeGluProjections(GraphPass):
         return result
 
 
-def _why_not(act: Node, params: set[str]) -> str:
+def _why_not(act: Node, params: dict[str, str]) -> str:
     """'' when ``act``'s gate and up are bias-free linears of one input by parameters, read
     by nothing else; else why not."""
     gate, up = op_arg(act, "gate"), op_arg(act, "up")
     for name, proj in (("gate", gate), ("up", up)):
-        if not (is_call(proj, {aten.linear.default}) and len(proj.args) == 2 and not proj.kwargs):
-            return f"{name} is not a bias-free linear (found {getattr(proj, 'target', proj)})"
-        if not (proj.args[1].op == "placeholder" and proj.args[1].name in params):
-            return f"{name}'s weight {proj.args[1].name} is computed in the graph, not a parameter"
+        if not is_linear_of_parameter(proj, params):
+            return f"{name} is not a bias-free linear by a parameter (found {getattr(proj, 'target', proj)})"
         if len(proj.users) != 1:
             return f"{name}'s projection {proj.name} has other readers: it is computed anyway"
     if gate is up or gate.args[0] is not up.args[0]:

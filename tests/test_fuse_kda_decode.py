@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from graph_edits import read_also
 from k3compile.passes.fuse_kda_decode import FuseKDADecode
 
 from k3compile import runtime
@@ -117,12 +118,7 @@ def test_intermediate_with_another_user_is_skipped(compiled):
     gm = program.graph_module
     gate = next(n for n in gm.graph.nodes if n.target is k3.kda_gate.default)
     norm = next(n for n in gm.graph.nodes if n.target is k3.gated_rms_norm.default)
-    # Layer 0's output also reads the decay gate: y + mean(g).
-    with gm.graph.inserting_after(norm):
-        mean = gm.graph.call_function(aten.mean.default, (gate,))
-    with gm.graph.inserting_after(mean):
-        bumped = gm.graph.call_function(aten.add.Tensor, (norm, mean))
-    norm.replace_all_uses_with(bumped, delete_user_cb=lambda user: user is not bumped)
+    mean = read_also(gm, gate, norm)  # layer 0's output also reads the decay gate: y + mean(g)
     lint_graph(gm)
 
     cfg = plain.captured.config
@@ -146,11 +142,7 @@ def test_a_projection_with_another_reader_keeps_the_projections_outside(compiled
     norm = next(n for n in gm.graph.nodes if n.target is k3.gated_rms_norm.default)
     conv = next(n for n in gm.graph.nodes if n.target is k3.short_conv_decode.default)
     q = conv.args[0]
-    with gm.graph.inserting_after(norm):
-        mean = gm.graph.call_function(aten.mean.default, (q,))
-    with gm.graph.inserting_after(mean):
-        bumped = gm.graph.call_function(aten.add.Tensor, (norm, mean))
-    norm.replace_all_uses_with(bumped, delete_user_cb=lambda user: user is not bumped)
+    mean = read_also(gm, q, norm)
     ctx = PassContext(plain.captured.config, plain.captured.plan, get_target("cpu"), "decode", program,
                       plain.captured.specs)
     result = FuseKDADecode().run(gm, ctx)

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from graph_edits import read_also
 from k3compile.passes.merge_glu_projections import MergeGluProjections
 
 from k3compile import runtime
@@ -21,7 +22,6 @@ from k3compile.runtime.weight_layout import consecutive_rows, row_groups
 from k3compile.targets import get_target
 
 k3 = torch.ops.k3
-aten = torch.ops.aten
 PROMPTS = [[5, 9, 100, 7, 3], [17, 4]]
 
 
@@ -70,11 +70,7 @@ def test_a_projection_with_another_reader_is_skipped(compiled):
     gm = program.graph_module
     act = next(n for n in gm.graph.nodes if n.target is k3.situ_and_mul.default)
     gate = act.args[0]
-    with gm.graph.inserting_after(act):
-        mean = gm.graph.call_function(aten.mean.default, (gate,))
-    with gm.graph.inserting_after(mean):
-        bumped = gm.graph.call_function(aten.add.Tensor, (act, mean))
-    act.replace_all_uses_with(bumped, delete_user_cb=lambda user: user is not bumped)
+    read_also(gm, gate, act)
     ctx = PassContext(plain.captured.config, plain.captured.plan, get_target("cpu"), "decode", program,
                       plain.captured.specs)
     result = MergeGluProjections().run(gm, ctx)

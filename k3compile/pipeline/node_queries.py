@@ -1,5 +1,5 @@
 """Questions passes ask of FX nodes: a node's tensor value, an op call's argument by name,
-its only user, its layer, and sizes at one token.
+its only user, its layer, sizes at one token, and which placeholders are parameters.
 
 Helpers only read the graph; rewriting stays in each pass.
 """
@@ -11,6 +11,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch.export import ExportedProgram
 from torch.fx import Node
 
 
@@ -34,6 +35,20 @@ def op_arg(node: Node, name: str) -> Any:
 def is_call(node: object, targets) -> bool:
     """``node`` calls one of ``targets``."""
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def parameter_placeholders(program: ExportedProgram) -> dict[str, str]:
+    """Placeholder node name -> parameter name, for the program's parameters."""
+    return dict(program.graph_signature.inputs_to_parameters)
+
+
+def is_linear_of_parameter(node: object, params: dict[str, str]) -> bool:
+    """``node`` is a bias-free ``aten.linear(x, W)`` whose W is a parameter (a key of
+    :func:`parameter_placeholders`): a weight the runtime loads and may lay out."""
+    if not (is_call(node, {torch.ops.aten.linear.default}) and len(node.args) == 2 and not node.kwargs):
+        return False
+    weight = node.args[1]
+    return isinstance(weight, Node) and weight.op == "placeholder" and weight.name in params
 
 
 def other_users(node: Node, user: Node) -> str:
