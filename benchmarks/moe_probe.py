@@ -108,7 +108,7 @@ def main() -> None:
             def route(x, warps=warps):
                 wt = torch.empty(T, TOP_K, device="cuda")
                 ids = torch.empty(T, TOP_K, dtype=torch.int64, device="cuda")
-                routing._route_kernel[(T,)](x, bias, wt, ids, E, 1.0, TOP_K=TOP_K, K_POW2=TOP_K, BLOCK_E=1024,
+                routing._route_kernel[(T,)](x, bias, wt, ids, E, E, 1.0, TOP_K=TOP_K, K_POW2=TOP_K, BLOCK_E=1024,
                                         RENORMALIZE=True, num_warps=warps)
             t = graph_time([lambda x=x: route(x) for x in logits], 20)
             rows.append({"T": T, "plan": f"route w{warps}", "us": round(t * 1e6, 1)})

@@ -4,7 +4,7 @@ on a freshly written and compiled slice.
 
     python benchmarks/rank_slice_step.py --out DIR [--layers 4] [--batches 1,16,64]
         [--contexts 1024,32768] [--prompt-lens 1024] [--peers eager,compile] [--kv-cache-dtype fp8]
-        [--lowerings inductor,eager] [--dense-baseline]
+        [--lowerings inductor,eager] [--dense-baseline] [--disable PASS,...]
 
 Steps: write the slice (MXFP4 experts), compile it for ``h200`` in bf16, load it with
 caches for the largest batch and context, then :func:`k3compile.bench.run_bench` (what
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="the MLA cache: auto (bf16) or fp8")
     parser.add_argument("--lowerings", default="inductor", help="inductor and/or eager, one bench each")
     parser.add_argument("--dense-baseline", action="store_true")
+    parser.add_argument("--disable", default="", help="passes to leave out of the compile, comma-separated")
     args = parser.parse_args()
     counts = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -65,7 +66,8 @@ def main() -> None:
     model_dir = generate_model_dir(cfg, args.out / "slice", GenerateOptions(seed=0))
     result["generate_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
-    options = CompileOptions(dtype="bfloat16", target="h200", kv_cache_dtype=args.kv_cache_dtype)
+    options = CompileOptions(dtype="bfloat16", target="h200", kv_cache_dtype=args.kv_cache_dtype,
+                             disable=tuple(p for p in args.disable.split(",") if p))
     artifact = optimize(model_dir, args.out / "slice.k3c", options).out_dir
     result["compile_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result), flush=True)

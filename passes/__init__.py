@@ -15,11 +15,13 @@ from k3compile.passes.sink_copies import SinkCopies
 from k3compile.passes.fuse_kda_decode import FuseKDADecode
 from k3compile.passes.fuse_attn_res_norm import FuseAttnResNorm
 from k3compile.passes.merge_glu_projections import MergeGluProjections
+from k3compile.passes.merge_mla_projections import MergeMlaProjections
+from k3compile.passes.merge_moe_input import MergeMoeInput
 from k3compile.passes.split_mla_context import SplitMLAContext
 from k3compile.passes.pad_attention_heads import PadAttentionHeads
 from k3compile.pipeline.interface import PASSES as ALL_PASSES
 
 __all__ = [
     "ALL_PASSES", "DedupReplicatedLinear", "FuseAttnResNorm", "FuseKDADecode", "MXFP4Experts", "MergeGluProjections",
-    "PadAttentionHeads", "RemoveNoops", "SinkCopies", "SplitMLAContext",
+    "MergeMlaProjections", "MergeMoeInput", "PadAttentionHeads", "RemoveNoops", "SinkCopies", "SplitMLAContext",
 ]

@@ -2,7 +2,9 @@
 
 Some k3 ops take several weights that multiply the same input (``k3::kda_decode_fused_proj``:
 a KDA layer's q, k, v, g and b projections; ``k3::situ_and_mul_proj``: an MLP's gate and
-up). Their kernels run ONE GEMM over all those rows
+up; ``k3::mla_input_proj``: an MLA layer's q_a, kv_a and g projections;
+``k3::moe_input_proj``: a MoE layer's router, latent down, shared gate and up). Their kernels run
+ONE GEMM over all those rows
 when the weights are consecutive row blocks of one tensor (:func:`consecutive_rows`), and one
 GEMM per weight otherwise: the same values either way, up to the GEMM's accumulation order.
 At load the runtime allocates each such group as one buffer and makes its parameters views
@@ -18,12 +20,14 @@ import torch
 from torch import Tensor
 from torch.export import ExportedProgram
 
-from k3compile.ops import activations, kda_fused
+from k3compile.ops import activations, kda_fused, mla_proj, moe_input
 
 #: op -> its weight arguments to lay out as consecutive rows, in this order
 ROW_GROUPS: dict[object, tuple[str, ...]] = {
     torch.ops.k3.kda_decode_fused_proj.default: kda_fused.PROJECTION_WEIGHTS,
     torch.ops.k3.situ_and_mul_proj.default: activations.PROJECTION_WEIGHTS,
+    torch.ops.k3.mla_input_proj.default: mla_proj.PROJECTION_WEIGHTS,
+    torch.ops.k3.moe_input_proj.default: moe_input.PROJECTION_WEIGHTS,
 }
 
 

@@ -58,6 +58,8 @@ DCP = Selection("tests/test_context_parallel.py", "triton_kernel")
 SPLIT_KV_FP8 = Selection("tests/test_kernel_mla_fp8.py", "split_kv_fp8")
 ATTENTION_FP8 = Selection("tests/test_kernel_mla_fp8.py", "generic_and_prefill_fp8")
 CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_kernel")
+MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
+MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,23 @@ MUTANTS = [
     Mutant("dcp_merge_weights_not_normalized", "runtime/kernels/dcp_merge.py",
            "out = acc / tl.where(total > 0, total, 1.0)", "out = acc", DCP,
            "DCP merge: the members' rows weighted by exp(lse - max) without dividing by their sum"),
+    Mutant("mla_input_kv_eps_from_q", "runtime/kernels/mla_input_proj.py",
+           "inv_l = 1.0 / tl.sqrt(tl.sum(xl * xl, axis=0) / L + kv_eps)",
+           "inv_l = 1.0 / tl.sqrt(tl.sum(xl * xl, axis=0) / L + q_eps)", MLA_INPUT,
+           "MLA input kernel: the latent normalised with q_a_layernorm's eps"),
+    Mutant("mla_input_k_pe_shifted", "runtime/kernels/mla_input_proj.py",
+           "k_pe = tl.load(c_ptr + row * c_stride + L + rc", "k_pe = tl.load(c_ptr + row * c_stride + L + 1 + rc",
+           MLA_INPUT, "MLA input kernel: k_pe read one column late"),
+    Mutant("mla_input_gate_sign", "runtime/kernels/mla_input_proj.py",
+           "sig = tl.where(g >= 0, 1.0, e) / (1.0 + e)", "sig = tl.where(g >= 0, e, 1.0) / (1.0 + e)", MLA_INPUT,
+           "MLA input kernel: the gate is sigmoid(-g)"),
+    Mutant("moe_input_gate_up_swapped", "runtime/kernels/moe_input.py",
+           "h = _rounded(situ_glu(g, u, beta, linear_beta)", "h = _rounded(situ_glu(u, g, beta, linear_beta)",
+           MOE_INPUT, "MoE input kernel: the shared expert's gate and up columns swapped"),
+    Mutant("moe_input_z_unrounded", "runtime/kernels/moe_input.py",
+           "zv = _rounded(tl.load(src + z_col + zc, mask=z_mask, other=0.0), z_ptr.dtype.element_ty, ROUND_BY_HAND)",
+           "zv = tl.load(src + z_col + zc, mask=z_mask, other=0.0)", MOE_INPUT,
+           "MoE input kernel: z stored by a plain cast (truncated under the interpreter)"),
 ]
 
 

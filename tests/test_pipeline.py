@@ -117,7 +117,7 @@ def test_validation_steps_take_both_branches_of_the_gemm_dispatch():
 
 
 def test_incremental_propagation_gives_what_a_full_one_gives():
-    """After every pass of the h200 pipeline at TP2 / DCP2 on MXFP4 experts (all nine
+    """After every pass of the h200 pipeline at TP2 / DCP2 on MXFP4 experts (all eleven
     change the graph), the values and placements the pipeline recomputed only where a pass
     changed something are those a propagation over the whole graph computes."""
     from k3compile.pipeline import propagate_shapes
@@ -132,7 +132,7 @@ def test_incremental_propagation_gives_what_a_full_one_gives():
     captured = capture(PRESETS["tiny"].replace(expert_format="mxfp4"), plan, torch.float32)
     result = run_pipeline(captured.programs, captured.config, plan, captured.specs, PipelineOptions(target="h200"),
                           constants=captured.constants)
-    assert len({r.pass_name for r in result.records if r.result.changed}) == 9
+    assert len({r.pass_name for r in result.records if r.result.changed}) == 11
     for program in captured.programs.values():
         gm = program.graph_module
         incremental = [(n.name, meta(n.meta.get("val")), n.meta.get("placement")) for n in gm.graph.nodes]
@@ -145,9 +145,11 @@ def test_resolve_passes_order_and_errors():
     target = get_target("mi355x")
     assert [p.name for p in resolve_passes(target, PipelineOptions(target="mi355x"))] == [
         "remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies", "fuse_kda_decode",
-        "fuse_attn_res_norm", "merge_glu_projections", "pad_attention_heads"]
+        "fuse_attn_res_norm", "merge_glu_projections", "merge_mla_projections", "merge_moe_input",
+        "pad_attention_heads"]
     off = PipelineOptions(target="mi355x", disable=("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies",
                                                     "fuse_kda_decode", "fuse_attn_res_norm", "merge_glu_projections",
+                                                    "merge_mla_projections", "merge_moe_input",
                                                     "pad_attention_heads"))
     assert resolve_passes(target, off) == []
     with pytest.raises(ValueError, match="unknown pass 'nope'"):
@@ -241,7 +243,8 @@ def test_default_pipelines_and_order_come_from_the_declarations():
     assert default_pass_names(get_target("cpu")) == common
     for gpu in ("h200", "mi355x", "mi300x"):
         assert default_pass_names(get_target(gpu)) == (*common, "fuse_kda_decode", "fuse_attn_res_norm",
-                                                       "merge_glu_projections", "pad_attention_heads")
+                                                       "merge_glu_projections", "merge_mla_projections",
+                                                       "merge_moe_input", "pad_attention_heads")
     # The registration order agrees with every after/before relation.
     assert pipeline_order() == list(ALL_PASSES)
     assert pipeline_order(["pad_attention_heads", "split_mla_context"]) == ["split_mla_context", "pad_attention_heads"]
@@ -261,7 +264,8 @@ def test_selection_follows_a_new_passes_declarations(registry):
     assert "early" not in names(resolve_passes(gpu, PipelineOptions(target="h200")))
     assert names(resolve_passes(gpu, PipelineOptions(enable=("late",)))) == [
         "remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies", "late", "fuse_kda_decode",
-        "fuse_attn_res_norm", "merge_glu_projections", "pad_attention_heads"]
+        "fuse_attn_res_norm", "merge_glu_projections", "merge_mla_projections", "merge_moe_input",
+        "pad_attention_heads"]
     # Without a relation a pass keeps its registration place: here the last.
     register_pass(_declared("unrelated"))
     assert names(resolve_passes(cpu, PipelineOptions(enable=("unrelated",))))[-1] == "unrelated"

@@ -57,15 +57,17 @@ KERNELS_OF_OP = {
     "k3.kda_decode_fused_proj.default": ("kda_decode_kernel",),
     "k3.situ_and_mul.default": ("_situ_and_mul_kernel",),
     "k3.situ_and_mul_proj.default": ("_situ_and_mul_kernel",),
+    "k3.mla_input_proj.default": ("_mla_input_proj_kernel",),
+    "k3.moe_input_proj.default": ("_route_kernel", "_moe_input_kernel"),
     "k3.mla_decode_split_kv.default": ("_mla_decode_split_kv_kernel", "_combine_splits_kernel"),
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),
 }
 #: ... and with an FP8 cache
 FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
-#: kernels of both phases: the AttnRes mixes (fused with their norms), the MoE tail
+#: kernels of both phases: the AttnRes mixes (fused with their norms), the MoE input and tail, the MLA input
 BOTH_PHASES = {"_attn_res_mix_kernel", "_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel",
-               "_rows_gemv_add_kernel", "_situ_and_mul_kernel"}
+               "_rows_gemv_add_kernel", "_situ_and_mul_kernel", "_mla_input_proj_kernel", "_moe_input_kernel"}
 DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel", "_dcp_pack_kernel",
                "_dcp_merge_kernel"}
 
@@ -127,7 +129,7 @@ def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(
     assert (info.target, info.tp, info.dcp, info.block_size) == ("h200", 2, 2, 64)
     changed = {p["pass"] for p in info.passes if p["phase"] == "decode" and p["changed"]}
     assert {"mxfp4_experts", "dedup_replicated_linear", "fuse_kda_decode", "split_mla_context",
-            "pad_attention_heads", "fuse_attn_res_norm"} <= changed
+            "pad_attention_heads", "fuse_attn_res_norm", "merge_mla_projections", "merge_moe_input"} <= changed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks' Triton interprets, on a GPU machine too
     with RankPool(2) as ranks:

@@ -87,6 +87,10 @@ ATTN_RES_NORM = Roundings(low=3, fp32=64)
 #: SiTU-GLU against its reference, per element against max |want| of its row: the output's
 #: rounding (1) and fp32 tanh / sigmoid / exp a few fp32 roundings apart from torch's.
 SITU = Roundings(low=1, fp32=16)
+#: A sigmoid kernel (the MLA input kernel's gate) against fp32 torch.sigmoid, per element
+#: against max |want| of its row: the output's rounding (1; bf16 under the interpreter:
+#: truncated); fp32: exp and a division a few roundings apart from torch's.
+SIGMOID = Roundings(low=1, fp32=8)
 #: The op reference of add_rank_block_linear rounds x @ W^T to x's dtype before the add:
 #: one rounding more.
 ROWS_OP_REFERENCE = Roundings(low=2, fp32=64)

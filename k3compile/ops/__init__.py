@@ -8,4 +8,4 @@ Importing this package registers all ops; passes match them by name
 """
 from k3compile.ops import kda  # noqa: F401
 from k3compile.ops import activations, attn_res, mla, moe, norm, partial  # noqa: F401,E402
-from k3compile.ops import dcp, kda_fused  # noqa: F401,E402
+from k3compile.ops import dcp, kda_fused, mla_proj, moe_input  # noqa: F401,E402

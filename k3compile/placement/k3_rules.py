@@ -30,7 +30,11 @@ from k3compile.ops.mla import (
     narrow_heads,
     pad_heads,
 )
+from k3compile.ops.mla_proj import PROJECTION_WEIGHTS as MLA_PROJECTION_WEIGHTS
+from k3compile.ops.mla_proj import mla_input_proj
 from k3compile.ops.moe import moe_experts, moe_experts_mxfp4, router_logits, sigmoid_topk_route
+from k3compile.ops.moe_input import PROJECTION_WEIGHTS as MOE_INPUT_WEIGHTS
+from k3compile.ops.moe_input import moe_input_proj
 from k3compile.ops.norm import rms_norm
 from k3compile.ops.partial import add_rank_block, add_rank_block_linear
 from k3compile.placement.nodes import R, PlacementError, PlacementValue
@@ -254,6 +258,24 @@ register_op_rules({
     narrow_heads: _HEAD_BLOCK_RULE,
 })
 
+# --------------------------------------------------------------------------- mla_proj
+# The input projections with their consumers: x and the q_a / kv_a weights Replicate (the
+# latent is cached whole on every rank) -> q_c, kv Replicate; the column-parallel g_proj
+# weight Shard(0) -> gate Shard(1) (x is [T, hidden]). All Replicate (TP1) -> all Replicate.
+
+
+def _mla_input_proj_cost(call: CostCall) -> Cost:
+    """The three projections' GEMM (2 FLOPs per weight element and row), the two norms (4
+    per element) and the gate's sigmoid (1 per element)."""
+    rows = call.size("x", 0)
+    gemm = 2 * rows * sum(call.numel(w) for w in MLA_PROJECTION_WEIGHTS)
+    norms = 4 * rows * (call.size("q_a_weight", 0) + int(call.arg("kv_lora_rank")))
+    return Cost(gemm + norms + rows * call.size("g_weight", 0))
+
+
+register_op_rules({mla_input_proj: split({"g_weight": 0}, out=(R, R, 1), what="gate columns",
+                                         cost=_mla_input_proj_cost)})
+
 # --------------------------------------------------------------------------- dcp
 # dcp_local_lengths is a per-rank value; dcp_rescale sees only RankLocal inputs (the
 # attention partials), which the analysis's generic rule places RankLocal.
@@ -322,6 +344,22 @@ register_op_rules({
                               "w2_scale": 2}, out=Partial(), what="expert intermediate",
                              cost=lambda call: _experts_cost(call, "w1_packed", _PACKED)),
 })
+
+# The input projections with their consumers (k3compile/ops/moe_input.py): x, the router,
+# its bias and the latent down-projection Replicate -> routing and z Replicate; the shared
+# expert's column-parallel gate / up Shard(0) -> h Shard(1). All Replicate -> all Replicate.
+
+
+def _moe_input_cost(call: CostCall) -> Cost:
+    """The four projections' GEMM (2 FLOPs per weight element and row), the routing (4 per
+    logit) and the SiTU-GLU (9 per output)."""
+    rows = call.size("x", 0)
+    gemm = 2 * rows * sum(call.numel(w) for w in MOE_INPUT_WEIGHTS)
+    return Cost(gemm + rows * (4 * call.size("router_weight", 0) + 9 * call.size("gate_weight", 0)))
+
+
+register_op_rules({moe_input_proj: split({"gate_weight": 0, "up_weight": 0}, out=(R, R, R, 1),
+                                         what="shared-expert intermediate", cost=_moe_input_cost)})
 
 # --------------------------------------------------------------------------- partial
 # add_rank_block: P + S(dim) at the rank's block -> P; one add per element of the block.

@@ -39,6 +39,14 @@ def _tanh(v):
     return tl.where(tl.abs(v) < 0.3, poly, tl.where(v < 0, -far, far))
 
 
+@triton.jit
+def situ_glu(g, u, beta, linear_beta):
+    """The SiTU-GLU of fp32 gate and up values (the module docstring), in fp32."""
+    e = tl.exp(-tl.abs(g))  # sigmoid without overflow: e / (1 + e) for negative g
+    sig = tl.where(g >= 0, 1.0, e) / (1.0 + e)
+    return beta * _tanh(g / beta) * sig * (linear_beta * _tanh(u / linear_beta))
+
+
 @counted
 @triton.jit
 def _situ_and_mul_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, beta, linear_beta,
@@ -48,9 +56,7 @@ def _situ_and_mul_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_strid
     mask = cols < width
     g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    e = tl.exp(-tl.abs(g))  # sigmoid without overflow: e / (1 + e) for negative g
-    sig = tl.where(g >= 0, 1.0, e) / (1.0 + e)
-    out = beta * _tanh(g / beta) * sig * (linear_beta * _tanh(u / linear_beta))
+    out = situ_glu(g, u, beta, linear_beta)
     tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -29,15 +29,17 @@ ROUTE_WARPS = 4  # one token's 896 scores per program (H200: 5.5 us at 4 warps, 
 
 @counted
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, logits_stride, scaling,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
     """One token per program. Each of the top_k rounds is ONE max-reduction over int64 keys
     (order-preserving bits of the biased score << 32 | BLOCK_E - 1 - id): the largest key is
-    the best score with ties to the lowest id. The weights re-read the picked logits."""
+    the best score with ties to the lowest id. The weights re-read the picked logits.
+    ``logits_stride``: elements from one token's logits to the next (columns of a wider
+    product, ``moe_input.py``)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
-    s = tl.sigmoid(tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32))
+    s = tl.sigmoid(tl.load(logits_ptr + t * logits_stride + e, mask=valid, other=0.0).to(tl.float32))
     score = s + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
     score = tl.where(score != score, float("inf"), score)  # NaN first, as torch's descending sort
     bits = score.to(tl.int32, bitcast=True)
@@ -52,7 +54,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
         sel_id = tl.where(slots == k, pick, sel_id)
         key = tl.where(e == pick, -9223372036854775807 - 1, key)
     keep = slots < TOP_K
-    sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))
+    sel_w = tl.sigmoid(tl.load(logits_ptr + t * logits_stride + sel_id, mask=keep, other=0.0).to(tl.float32))
     sel_w = tl.where(keep, sel_w, 0.0)
     if RENORMALIZE:
         sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)
@@ -79,12 +81,14 @@ def sigmoid_topk_route(logits: Tensor, correction_bias: Tensor, top_k: int, reno
     if correction_bias.shape != (E,) or not 1 <= top_k <= E or E > MAX_EXPERTS:
         raise ValueError(f"sigmoid_topk_route: logits {tuple(logits.shape)}, bias {tuple(correction_bias.shape)}, "
                          f"top_k {top_k}: need bias [E], 1 <= top_k <= E <= {MAX_EXPERTS}")
-    x = logits.reshape(-1, E).contiguous()
+    x = logits.reshape(-1, E)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     weights = torch.empty((x.shape[0], top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((x.shape[0], top_k), dtype=torch.int64, device=x.device)
     if x.shape[0]:
         block_e = triton.next_power_of_2(E)
-        _route_kernel[(x.shape[0],)](x, correction_bias.contiguous(), weights, ids, E, float(scaling),
+        _route_kernel[(x.shape[0],)](x, correction_bias.contiguous(), weights, ids, E, x.stride(0), float(scaling),
                                      TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                                      RENORMALIZE=bool(renormalize), num_warps=ROUTE_WARPS)
     shape = (*logits.shape[:-1], top_k)
