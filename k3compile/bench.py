@@ -97,7 +97,7 @@ class BenchOptions:
 class StepFloor:
     """Bytes one decode step moves on one rank, at least."""
 
-    dense_weights: int  # every weight that is not a routed expert, read once
+    dense_weights: int  # every weight that is not a routed expert, read once (the embedding: the batch's rows)
     routed_experts: float  # the distinct experts the batch picks, in expectation (uniform routing)
     mla_history: int  # the MLA cache this rank reads (its share under DCP), in the cache's own bytes
     kda_state: int  # recurrent and conv states, read and written
@@ -269,7 +269,9 @@ def step_floor(rt: Runtime, batch: int, context: int) -> StepFloor:
     """The bytes a decode step of ``batch`` sequences at ``context`` moves on this rank."""
     cfg = rt.cfg
     experts = {n: t for n, t in rt.weights.items() if ".mlp.experts." in n}
-    dense = sum(t.nbytes for n, t in rt.weights.items() if n not in experts)
+    # the embedding table: only the batch's rows are read
+    dense = sum(batch * t[0].nbytes if n.endswith("embed_tokens.weight") else t.nbytes
+                for n, t in rt.weights.items() if n not in experts)
     moe_layers = len({n.split(".mlp.experts.")[0] for n in experts})
     E, k = cfg.num_experts, cfg.num_experts_per_token
     distinct = E * (1 - (1 - k / E) ** batch) if moe_layers else 0.0
