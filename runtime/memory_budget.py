@@ -12,14 +12,17 @@ from torch.export.graph_signature import InputKind
 from k3compile.batch import CacheShape, allocate_caches, flatten_caches
 from k3compile.config import K3Config
 from k3compile.device_memory import GiB, available_bytes
+from k3compile.runtime.weight_layout import padding_bytes
 from k3compile.sequences import RequestError
 from k3compile.sharding import ParallelPlan
 
 
 def weight_bytes(program: ExportedProgram) -> int:
-    """Bytes of one rank's parameters (the program's state dict holds their local shapes)."""
+    """Bytes of one rank's parameters (the program's state dict holds their local shapes),
+    with the padding rows of the grouped ones (``weight_layout``)."""
     params = [s.target for s in program.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
-    return sum(program.state_dict[name].numel() * program.state_dict[name].element_size() for name in params)
+    return (sum(program.state_dict[name].numel() * program.state_dict[name].element_size() for name in params)
+            + padding_bytes(program))
 
 
 def cache_bytes(cfg: K3Config, plan: ParallelPlan, shape: CacheShape, dtype: torch.dtype,

@@ -99,17 +99,29 @@ def test_runtime_tokens_unchanged(compiled):
     torch.testing.assert_close(step_fused, step_plain, rtol=0, atol=1e-6)
     assert tokens_fused == tokens_plain
     # The runtime laid each layer's five projection weights out as consecutive rows of one
-    # buffer, and the prefill program reads the same tensors.
-    from k3compile.runtime.weight_layout import consecutive_rows, row_groups
+    # buffer padded with zero rows to a multiple of ROW_ALIGN (tiny: 4 x 64 + 4 heads -> 320),
+    # and the prefill program reads the same tensors.
+    from k3compile.runtime.memory_budget import weight_bytes
+    from k3compile.runtime.weight_layout import ROW_ALIGN, column_blocks, consecutive_rows, row_groups
 
     groups = row_groups(fused.captured.programs["decode"])
     assert len(groups) == _kda_layers(fused)
     for group in groups:
         assert [name.rsplit(".", 2)[-2] for name in group] == ["q_proj", "k_proj", "v_proj", "g_proj", "b_proj"]
-        rows = consecutive_rows([rt.weights[name] for name in group])
-        assert rows is not None and rows.shape[0] == sum(rt.weights[name].shape[0] for name in group)
+        weights = [rt.weights[name] for name in group]
+        rows = consecutive_rows(weights)
+        real = sum(w.shape[0] for w in weights)
+        assert real == 260 and rows is not None and rows.shape[0] == 320 == -(-real // ROW_ALIGN) * ROW_ALIGN
+        assert torch.equal(rows[:real], torch.cat(weights)) and not rows[real:].any()
+        blocks = column_blocks(torch.eye(320), weights)
+        assert [b.shape[1] for b in blocks] == [w.shape[0] for w in weights]
+        assert torch.equal(blocks[-1], torch.eye(320)[:, 256:260])
         prefill = rt.graph_modules["prefill"].get_parameter(group[0])
         assert prefill.data_ptr() == rt.weights[group[0]].data_ptr()
+    program = fused.captured.programs["decode"]
+    params = [s.target for s in program.graph_signature.input_specs if s.kind.name == "PARAMETER"]
+    padding = len(groups) * 60 * fused.captured.config.hidden_size * 4  # fp32 zero rows: the budget counts them
+    assert weight_bytes(program) == sum(program.state_dict[name].numel() * 4 for name in params) + padding
 
 
 def test_intermediate_with_another_user_is_skipped(compiled):

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.runtime.kernels import counted
-from k3compile.runtime.weight_layout import consecutive_rows
+from k3compile.runtime.weight_layout import column_blocks, consecutive_rows
 
 BLOCK = 1024  # columns per program
 
@@ -90,7 +90,7 @@ def situ_and_mul_proj(x: Tensor, gate_weight: Tensor, up_weight: Tensor, beta: f
     reading the product's two column blocks in place."""
     both = consecutive_rows((gate_weight, up_weight))
     if both is not None:
-        gate, up = torch.nn.functional.linear(x, both).split([gate_weight.shape[0], up_weight.shape[0]], dim=-1)
+        gate, up = column_blocks(torch.nn.functional.linear(x, both), (gate_weight, up_weight))
     else:
         gate, up = torch.nn.functional.linear(x, gate_weight), torch.nn.functional.linear(x, up_weight)
     return situ_and_mul(gate, up, beta, linear_beta)

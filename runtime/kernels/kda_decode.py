@@ -42,7 +42,7 @@ from k3compile.runtime.kernels.kda_decode_plans import (
     launch_grid,
     supports_pdl,
 )
-from k3compile.runtime.weight_layout import consecutive_rows
+from k3compile.runtime.weight_layout import column_blocks, consecutive_rows
 
 __all__ = ["kda_decode_fused", "kda_decode_fused_op", "kda_decode_fused_proj_op", "register_kernels"]
 
@@ -260,7 +260,7 @@ def kda_decode_fused_proj_op(
     weights = (q_weight, k_weight, v_weight, g_weight, b_weight)
     rows = consecutive_rows(weights)
     if rows is not None:
-        q, k, v, g, b = torch.nn.functional.linear(x, rows).split([w.shape[0] for w in weights], dim=1)
+        q, k, v, g, b = column_blocks(torch.nn.functional.linear(x, rows), weights)
     else:
         q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in weights)
     return kda_decode_fused_op(q, k, v, conv_weight_q, conv_weight_k, conv_weight_v, conv_state_q, conv_state_k,

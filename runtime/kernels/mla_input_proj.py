@@ -31,7 +31,7 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, CompileRequest, launch_signature
-from k3compile.runtime.weight_layout import consecutive_rows
+from k3compile.runtime.weight_layout import column_blocks, consecutive_rows
 
 BLOCK_G = 1024  # gate columns per program
 NORM_SEGMENTS = 2  # programs 0 (q) and 1 (latent + k_pe) of each row; the gate's follow (2 in the kernel)
@@ -119,7 +119,7 @@ def mla_input_proj(x: Tensor, q_a_weight: Tensor, kv_a_weight: Tensor, g_weight:
     weights = (q_a_weight, kv_a_weight, g_weight)
     merged = consecutive_rows(weights)
     if merged is not None:
-        q, c, g = torch.nn.functional.linear(x, merged).split([w.shape[0] for w in weights], dim=-1)
+        q, c, g = column_blocks(torch.nn.functional.linear(x, merged), weights)
     else:
         q, c, g = (torch.nn.functional.linear(x, w) for w in weights)
     return mla_input_consumers(q, c, g, q_norm_weight, kv_norm_weight, q_eps, kv_eps, kv_lora_rank)

@@ -79,7 +79,8 @@ def moe_input_consumers(product: Tensor, widths: tuple[int, int, int, int], corr
                         renormalize: bool, scaling: float, beta: float, linear_beta: float,
                         dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The consumers of ``product`` [T, E + Z + 2 I] fp32 (the four projections' columns,
-    ``widths`` = (E, Z, I, I), rows contiguous): (weights, ids, z, h), z and h in ``dtype``."""
+    ``widths`` = (E, Z, I, I), each row's columns contiguous): (weights, ids, z, h), z and h
+    in ``dtype``."""
     E, Z, I, I_up = widths
     T = product.shape[0]
     if product.dtype != torch.float32 or product.dim() != 2 or product.shape[1] != sum(widths) or I != I_up \
@@ -115,8 +116,9 @@ def moe_input_proj(x: Tensor, router_weight: Tensor, correction_bias: Tensor, do
         product = torch.mm(x, merged.t(), out_dtype=torch.float32)
     else:  # the same products in fp32
         product = torch.nn.functional.linear(x.float(), merged.float())
-    return moe_input_consumers(product, tuple(w.shape[0] for w in weights), correction_bias, top_k, renormalize,
-                               scaling, beta, linear_beta, x.dtype)
+    widths = tuple(w.shape[0] for w in weights)
+    return moe_input_consumers(product[:, :sum(widths)], widths, correction_bias, top_k, renormalize, scaling, beta,
+                               linear_beta, x.dtype)
 
 
 def aot_request(target: str) -> CompileRequest:
