@@ -45,7 +45,7 @@ from torch.fx import GraphModule, Node
 
 import k3compile.ops.attn_res  # noqa: F401  (registers torch.ops.k3.attn_res_mix_norm)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import is_call, layer_of, numel_at_one, op_arg, tensor_val
+from k3compile.pipeline.node_queries import carry_meta, is_call, layer_of, numel_at_one, op_arg, tensor_val
 from k3compile.targets import GPU_DEVICES
 
 k3 = torch.ops.k3
@@ -94,8 +94,8 @@ class FuseAttnResNorm(GraphPass):
         with graph.inserting_before(norm):
             fused = graph.call_function(k3.attn_res_mix_norm.default, args)
             out = fused if rows is None else graph.call_function(aten.index.Tensor, (fused, rows.args[1]))
-        fused.meta.update({k: v for k, v in mix.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
-        out.meta.update({k: v for k, v in norm.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
+        carry_meta(fused, mix)
+        carry_meta(out, norm)
         norm.replace_all_uses_with(out)
         for node in (norm, rows, mix):
             if node is not None:

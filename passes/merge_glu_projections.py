@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 
 import k3compile.ops.activations  # noqa: F401  (registers torch.ops.k3.situ_and_mul_proj)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import is_linear_of_parameter, layer_of, op_arg, parameter_placeholders
+from k3compile.pipeline.node_queries import carry_meta, is_linear_of_parameter, layer_of, op_arg, parameter_placeholders
 from k3compile.targets import GPU_DEVICES
 
 k3 = torch.ops.k3
@@ -83,7 +83,7 @@ def _rewrite(gm: GraphModule, act: Node) -> Rewrite:
         merged = graph.call_function(k3.situ_and_mul_proj.default,
                                      (gate.args[0], gate.args[1], up.args[1], op_arg(act, "beta"),
                                       op_arg(act, "linear_beta")))
-    merged.meta.update({k: v for k, v in act.meta.items() if k in ("nn_module_stack", "val", "stack_trace")})
+    carry_meta(merged, act)
     act.replace_all_uses_with(merged)
     for node in (act, gate, up):
         graph.erase_node(node)

@@ -57,6 +57,7 @@ from torch.fx import GraphModule, Node
 import k3compile.ops.mla_proj  # noqa: F401  (registers torch.ops.k3.mla_input_proj)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
 from k3compile.pipeline.node_queries import (
+    carry_meta,
     is_call,
     is_linear_of_parameter,
     layer_of,
@@ -68,7 +69,6 @@ from k3compile.targets import GPU_DEVICES
 
 k3 = torch.ops.k3
 aten = torch.ops.aten
-_META = ("nn_module_stack", "stack_trace")
 
 
 @register_pass
@@ -171,10 +171,10 @@ def _rewrite(gm: GraphModule, nodes: dict[str, Node]) -> Rewrite:
     with graph.inserting_before(min(nodes.values(), key=order.__getitem__)):
         merged = graph.call_function(k3.mla_input_proj.default, args)
         items = [graph.call_function(operator.getitem, (merged, i)) for i in range(3)]
-    merged.meta.update({k: v for k, v in nodes["cat"].meta.items() if k in _META})
+    carry_meta(merged, nodes["cat"], val=False)
     merged.meta["val"] = tuple(tensor_val(o) for o in outputs)
     for item, old in zip(items, outputs, strict=True):
-        item.meta.update({k: v for k, v in old.meta.items() if k in (*_META, "val")})
+        carry_meta(item, old)
         old.replace_all_uses_with(item)
     removed = ("cat", "k_pe", "kv_norm", "latent", "kv_proj", "q_out", "q_proj", "gate_out", "gate_proj")
     for role in removed:

@@ -53,13 +53,20 @@ from torch.fx import GraphModule, Node
 
 import k3compile.ops.moe_input  # noqa: F401  (registers torch.ops.k3.moe_input_proj)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
-from k3compile.pipeline.node_queries import is_call, is_linear_of_parameter, layer_of, op_arg, tensor_val
-from k3compile.pipeline.node_queries import parameter_placeholders
+from k3compile.pipeline.node_queries import (
+    carry_meta,
+    is_call,
+    is_linear_of_parameter,
+    is_parameter,
+    layer_of,
+    op_arg,
+    parameter_placeholders,
+    tensor_val,
+)
 from k3compile.targets import GPU_DEVICES
 
 k3 = torch.ops.k3
 _EXPERTS = {k3.moe_experts.default, k3.moe_experts_mxfp4.default}
-_META = ("nn_module_stack", "stack_trace")
 
 
 @register_pass
@@ -85,10 +92,6 @@ class MergeMoeInput(GraphPass):
         return result
 
 
-def _is_param(node: object, params: dict[str, str]) -> bool:
-    return isinstance(node, Node) and node.op == "placeholder" and node.name in params
-
-
 def _match(experts: Node, params: dict[str, str]) -> dict[str, Node] | str:
     """The layer's nodes by role, or why it is not rewritten."""
     down, weights, ids = (op_arg(experts, a) for a in ("z", "weights", "ids"))
@@ -106,14 +109,14 @@ def _match(experts: Node, params: dict[str, str]) -> dict[str, Node] | str:
         return f"the experts' routing {route.name} is not a k3.sigmoid_topk_route"
     logits = op_arg(route, "logits")
     if not (is_call(logits, {k3.router_logits.default}) and op_arg(logits, "x") is x
-            and _is_param(op_arg(logits, "weight"), params)):
+            and is_parameter(op_arg(logits, "weight"), params)):
         return f"the routing's logits are not k3.router_logits of {x.name} by a parameter"
     if set(logits.users) != {route}:
         return f"the router logits {logits.name} have other readers: they are computed anyway"
     if any(not is_call(u, {operator.getitem}) for u in route.users):
         return f"the routing {route.name} is read other than by its outputs"
     shared = [u for u in x.users if is_call(u, {k3.situ_and_mul_proj.default})
-              and all(_is_param(op_arg(u, w), params) for w in ("gate_weight", "up_weight"))]
+              and all(is_parameter(op_arg(u, w), params) for w in ("gate_weight", "up_weight"))]
     if len(shared) != 1:
         what = "no" if not shared else f"{len(shared)}: ambiguous,"
         return f"{what} situ_and_mul_proj of {x.name} by parameters (the shared expert)"
@@ -131,11 +134,10 @@ def _rewrite(gm: GraphModule, nodes: dict[str, Node]) -> Rewrite:
     with graph.inserting_before(min((logits, route, down, shared), key=order.__getitem__)):
         merged = graph.call_function(k3.moe_input_proj.default, args)
         items = [graph.call_function(operator.getitem, (merged, i)) for i in range(4)]
-    merged.meta.update({k: v for k, v in route.meta.items() if k in _META})
-    route_vals = route.meta["val"]
-    merged.meta["val"] = (*route_vals, tensor_val(down), tensor_val(shared))
+    carry_meta(merged, route, val=False)
+    merged.meta["val"] = (*route.meta["val"], tensor_val(down), tensor_val(shared))
     for i, item in enumerate(items):
-        item.meta.update({k: v for k, v in route.meta.items() if k in _META})
+        carry_meta(item, route, val=False)
         item.meta["val"] = merged.meta["val"][i]
     for old in list(route.users):
         old.replace_all_uses_with(items[old.args[1]])

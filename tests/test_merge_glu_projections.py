@@ -8,18 +8,16 @@ with the reason. The op goes through torch.library.opcheck."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-from graph_edits import read_also
+from graph_edits import read_also, run_on_edited_copy
 from k3compile.passes.merge_glu_projections import MergeGluProjections
 
 from k3compile import runtime
 from k3compile.compiler import CompileOptions
-from k3compile.pipeline import PassContext, count_ops, lint_graph
+from k3compile.pipeline import count_ops
 from k3compile.runtime.weight_layout import consecutive_rows, row_groups
-from k3compile.targets import get_target
 
 k3 = torch.ops.k3
 PROMPTS = [[5, 9, 100, 7, 3], [17, 4]]
@@ -66,15 +64,14 @@ def test_runtime_tokens_unchanged_and_weights_consecutive(compiled):
 
 def test_a_projection_with_another_reader_is_skipped(compiled):
     plain, _ = compiled
-    program = copy.deepcopy(plain.captured.programs["decode"])
-    gm = program.graph_module
-    act = next(n for n in gm.graph.nodes if n.target is k3.situ_and_mul.default)
+
+    def edit(gm):
+        act = next(n for n in gm.graph.nodes if n.target is k3.situ_and_mul.default)
+        read_also(gm, act.args[0], act)
+        return act
+
+    result, act = run_on_edited_copy(plain, MergeGluProjections(), edit)
     gate = act.args[0]
-    read_also(gm, gate, act)
-    ctx = PassContext(plain.captured.config, plain.captured.plan, get_target("cpu"), "decode", program,
-                      plain.captured.specs)
-    result = MergeGluProjections().run(gm, ctx)
-    lint_graph(gm)
     assert result.matches == _mlps(plain) - 1
     (skipped,) = result.skipped
     assert skipped.node == act.name

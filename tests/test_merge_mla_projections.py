@@ -10,18 +10,16 @@ torch.library.opcheck. Its kernel: tests/test_kernel_mla_input_proj.py."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-from graph_edits import read_also
+from graph_edits import read_also, run_on_edited_copy
 from k3compile.passes.merge_mla_projections import MergeMlaProjections
 
 from k3compile import runtime
 from k3compile.compiler import CompileOptions
-from k3compile.pipeline import PassContext, count_ops, lint_graph
+from k3compile.pipeline import count_ops
 from k3compile.runtime.weight_layout import consecutive_rows, row_groups
-from k3compile.targets import get_target
 
 k3 = torch.ops.k3
 aten = torch.ops.aten
@@ -88,15 +86,12 @@ def _layer(gm) -> dict[str, torch.fx.Node]:
 
 def _run_on_edited(plain, edit) -> tuple:
     """The pass on a copy of plain's decode program after ``edit(gm, nodes of the first MLA layer)``."""
-    program = copy.deepcopy(plain.captured.programs["decode"])
-    gm = program.graph_module
-    nodes = _layer(gm)
-    edit(gm, nodes)
-    ctx = PassContext(plain.captured.config, plain.captured.plan, get_target("cpu"), "decode", program,
-                      plain.captured.specs)
-    result = MergeMlaProjections().run(gm, ctx)
-    lint_graph(gm)
-    return result, nodes
+    def edit_layer(gm):
+        nodes = _layer(gm)
+        edit(gm, nodes)
+        return nodes
+
+    return run_on_edited_copy(plain, MergeMlaProjections(), edit_layer)
 
 
 @pytest.mark.parametrize(("role", "output"), [("q_proj", "q_out"), ("kv_proj", "cat"), ("latent", "cat"),

@@ -10,19 +10,17 @@ kernels: tests/test_kernel_moe_input.py."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-from graph_edits import read_also
+from graph_edits import read_also, run_on_edited_copy
 from k3compile.passes.merge_glu_projections import MergeGluProjections
 from k3compile.passes.merge_moe_input import MergeMoeInput
 
 from k3compile import runtime
 from k3compile.compiler import CompileOptions
-from k3compile.pipeline import PassContext, count_ops, lint_graph
+from k3compile.pipeline import count_ops
 from k3compile.runtime.weight_layout import consecutive_rows, row_groups
-from k3compile.targets import get_target
 
 k3 = torch.ops.k3
 PROMPTS = [[5, 9, 100, 7, 3], [17, 4]]
@@ -81,15 +79,12 @@ def test_runtime_tokens_unchanged_and_weights_consecutive(compiled):
 
 def _run_on_edited(glu, edit) -> tuple:
     """The pass on a copy of glu's decode program after ``edit(gm, the first experts node)``."""
-    program = copy.deepcopy(glu.captured.programs["decode"])
-    gm = program.graph_module
-    experts = next(n for n in gm.graph.nodes if n.target in (k3.moe_experts.default, k3.moe_experts_mxfp4.default))
-    edit(gm, experts)
-    ctx = PassContext(glu.captured.config, glu.captured.plan, get_target("cpu"), "decode", program,
-                      glu.captured.specs)
-    result = MergeMoeInput().run(gm, ctx)
-    lint_graph(gm)
-    return result, experts
+    def edit_experts(gm):
+        experts = next(n for n in gm.graph.nodes if n.target in (k3.moe_experts.default, k3.moe_experts_mxfp4.default))
+        edit(gm, experts)
+        return experts
+
+    return run_on_edited_copy(glu, MergeMoeInput(), edit_experts)
 
 
 def test_logits_with_another_reader_are_skipped(compiled):

@@ -42,13 +42,28 @@ def parameter_placeholders(program: ExportedProgram) -> dict[str, str]:
     return dict(program.graph_signature.inputs_to_parameters)
 
 
+def is_parameter(node: object, params: dict[str, str]) -> bool:
+    """``node`` is the placeholder of a parameter (a key of :func:`parameter_placeholders`)."""
+    return isinstance(node, Node) and node.op == "placeholder" and node.name in params
+
+
 def is_linear_of_parameter(node: object, params: dict[str, str]) -> bool:
     """``node`` is a bias-free ``aten.linear(x, W)`` whose W is a parameter (a key of
     :func:`parameter_placeholders`): a weight the runtime loads and may lay out."""
     if not (is_call(node, {torch.ops.aten.linear.default}) and len(node.args) == 2 and not node.kwargs):
         return False
-    weight = node.args[1]
-    return isinstance(weight, Node) and weight.op == "placeholder" and weight.name in params
+    return is_parameter(node.args[1], params)
+
+
+#: what a rewrite carries from a replaced node to its replacement: the module path (layer
+#: and module of records and diffs) and the source line
+SOURCE_META = ("nn_module_stack", "stack_trace")
+
+
+def carry_meta(new: Node, old: Node, val: bool = True) -> None:
+    """Copy ``old``'s :data:`SOURCE_META` (and, with ``val``, its fake value) to ``new``."""
+    keys = (*SOURCE_META, "val") if val else SOURCE_META
+    new.meta.update({k: v for k, v in old.meta.items() if k in keys})
 
 
 def other_users(node: Node, user: Node) -> str:

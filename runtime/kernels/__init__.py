@@ -92,8 +92,8 @@ def _import_kernel_modules() -> tuple[Any, ...]:
     from k3compile.runtime.kernels import (activations, attn_res, dcp_merge, kda_decode, mla_cache_write, mla_decode,
                                            mla_input_proj, moe, moe_input, routing, rows)
 
-    return (rows, activations, attn_res, routing, moe, moe_input, mla_input_proj, mla_cache_write, mla_decode, kda_decode,
-            dcp_merge)
+    return (rows, activations, attn_res, routing, moe, moe_input, mla_input_proj, mla_cache_write, mla_decode,
+            kda_decode, dcp_merge)
 
 
 def register_gpu_kernels(device_type: str = "cuda") -> None:

@@ -13,7 +13,7 @@ Here:
   values, in registers in one pass), segment 1 normalises the latent (512) and copies k_pe
   (64) behind it, segments 2.. apply the sigmoid to BLOCK_G columns of the gate each.
 
-The norms are ``_rms_norm_kernel``'s math (``rows.py``): fp32 in registers, ``x *
+The norms are ``rows.rms_norm_row`` (the RMSNorm kernel's row): fp32 in registers, ``x *
 (1 / sqrt(sum(x^2) / width + eps)) * w``, rounded once to the output dtype. The sigmoid is
 the overflow-free fp32 form of the SiTU kernel (``activations.py``). Outputs are new
 contiguous tensors in the product's dtype (x's), as the reference returns them.
@@ -31,6 +31,7 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, CompileRequest, launch_signature
+from k3compile.runtime.kernels.rows import rms_norm_row
 from k3compile.runtime.weight_layout import column_blocks, consecutive_rows
 
 BLOCK_G = 1024  # gate columns per program
@@ -49,20 +50,10 @@ def _mla_input_proj_kernel(q_ptr, c_ptr, g_ptr, q_out_ptr, kv_out_ptr, gate_out_
     seg = tl.program_id(1)
     # Each branch names its values apart: Triton merges same-named values of if / else.
     if seg == 0:
-        qc = tl.arange(0, BLOCK_Q)
-        q_mask = qc < Q
-        xq = tl.load(q_ptr + row * q_stride + qc, mask=q_mask, other=0.0).to(tl.float32)
-        wq = tl.load(q_norm_ptr + qc, mask=q_mask, other=0.0).to(tl.float32)
-        inv_q = 1.0 / tl.sqrt(tl.sum(xq * xq, axis=0) / Q + q_eps)
-        tl.store(q_out_ptr + row * Q + qc, (xq * inv_q * wq).to(q_out_ptr.dtype.element_ty), mask=q_mask)
+        rms_norm_row(q_ptr + row * q_stride, q_norm_ptr, q_out_ptr + row * Q, Q, q_eps, BLOCK_Q)
     elif seg == 1:
-        lc = tl.arange(0, BLOCK_L)
-        l_mask = lc < L
-        xl = tl.load(c_ptr + row * c_stride + lc, mask=l_mask, other=0.0).to(tl.float32)
-        wl = tl.load(kv_norm_ptr + lc, mask=l_mask, other=0.0).to(tl.float32)
-        inv_l = 1.0 / tl.sqrt(tl.sum(xl * xl, axis=0) / L + kv_eps)
         kv_row = kv_out_ptr + row * (L + R)
-        tl.store(kv_row + lc, (xl * inv_l * wl).to(kv_out_ptr.dtype.element_ty), mask=l_mask)
+        rms_norm_row(c_ptr + row * c_stride, kv_norm_ptr, kv_row, L, kv_eps, BLOCK_L)
         rc = tl.arange(0, BLOCK_R)
         r_mask = rc < R
         k_pe = tl.load(c_ptr + row * c_stride + L + rc, mask=r_mask, other=0.0)

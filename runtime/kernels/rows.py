@@ -80,16 +80,24 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.counters import ArrivalCounters
 
 
+@triton.jit
+def rms_norm_row(x_ptr, w_ptr, y_ptr, width, eps, BLOCK: tl.constexpr):
+    """One row of ``width`` values at ``x_ptr`` RMS-normalised with the weight at ``w_ptr``
+    into ``y_ptr``: fp32 in registers, ``x * (1 / sqrt(sum(x^2) / width + eps)) * w``,
+    rounded once to y's dtype."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
+    tl.store(y_ptr + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @counted
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, width, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
-    tl.store(y_ptr + row * width + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+    rms_norm_row(x_ptr + row * width, w_ptr, y_ptr + row * width, width, eps, BLOCK)
 
 
 @counted
