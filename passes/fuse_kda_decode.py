@@ -45,12 +45,15 @@ fused op, in place, where the norm was)::
         %linear_4, %a_log, %dt_bias, -5.0, %linear_5, %caches_3, %state_slots, 0.25,
         %linear_6, %o_norm_weight, 1e-05)                                 [s, 4, 16]
 
-When the five projections the fused op reads (``%linear``, ``%linear_1``, ``%linear_2``,
-``%linear_5``, ``%linear_6``: q, k, v, beta's logits and the output gate) are linears of
-one input by parameters, read by nothing else, they go into the op too: the node becomes
-``k3.kda_decode_fused_proj(%rms_norm, %q_proj_weight, %k_proj_weight, %v_proj_weight,
-%g_proj_weight, %b_proj_weight, %view, ...)``, and on GPUs the five GEMMs become one (the
-runtime lays the five weights out as consecutive rows: ``k3compile/runtime/weight_layout.py``).
+When the projections the fused op reads (``%linear``, ``%linear_1``, ``%linear_2``,
+``%linear_5``, ``%linear_6``: q, k, v, beta's logits and the output gate; and the forget
+gate's low-rank pair ``%linear_4 = linear(%linear_3 = linear(%rms_norm, %f_a_proj_weight),
+%f_b_proj_weight)``) are linears of one input by parameters, read by nothing else, they go
+into the op too: the node becomes ``k3.kda_decode_fused_proj(%rms_norm, %q_proj_weight,
+%k_proj_weight, %v_proj_weight, %g_proj_weight, %b_proj_weight, %f_a_proj_weight,
+%f_b_proj_weight, %view, ...)``, and on GPUs the six GEMMs that read x become one (the
+runtime lays q, k, v, g, f_a and b out as consecutive rows:
+``k3compile/runtime/weight_layout.py``), then f_b reads the f_a columns of its product.
 
 The fused op takes beta's logits (``%linear_5``), so the sigmoid and the cast are fused
 too; it computes ``sigmoid(logits.float())``, what the graph did, so the rewrite is exact
@@ -86,7 +89,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from k3compile.ops.kda_fused import PROJECTION_WEIGHTS  # (importing it registers torch.ops.k3.kda_decode_fused*)
+import k3compile.ops.kda_fused  # noqa: F401  (registers torch.ops.k3.kda_decode_fused*)
 from k3compile.pipeline.interface import GraphPass, PassContext, PassResult, Rewrite, Skipped, register_pass
 from k3compile.pipeline.node_queries import (is_call, is_linear_of_parameter, layer_of, numel_at_one, op_arg, op_name,
                                              other_users, parameter_placeholders, tensor_val)
@@ -97,6 +100,8 @@ k3 = torch.ops.k3
 
 _VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 _CASTS = frozenset({aten.to.dtype, aten._to_copy.default})
+#: kda_decode_fused_proj's weights of the projections kda_decode_fused reads (q, k, v, b, gate)
+_X_WEIGHTS = ("q_weight", "k_weight", "v_weight", "g_weight", "b_weight")
 
 
 @dataclass
@@ -126,7 +131,7 @@ class _Chain:
                 self.gate, self.gate_view, self.sigmoid, *cast]
 
     def projections(self) -> list[Node]:
-        """The fused op's projection inputs, in ``PROJECTION_WEIGHTS`` order: q, k, v, g, b."""
+        """The fused op's projection inputs, in ``_X_WEIGHTS`` order: q, k, v, g, b."""
         return [*(c.args[0] for c in self.convs), self.norm_gate_view.args[0], self.logits]
 
     def fused_args(self) -> tuple:
@@ -278,14 +283,17 @@ class FuseKDADecode(GraphPass):
         return len(node.args) == 1 and set(node.kwargs) <= {"dtype"}
 
     @staticmethod
-    def _shared_input(chain: _Chain, params: dict[str, str]) -> Node | None:
-        """The input x when every projection the fused op reads is ``linear(x, W)`` with W a
-        parameter (no bias), the same x, and no other reader; else None."""
-        linears = chain.projections()
+    def _shared_input(chain: _Chain, params: dict[str, str]) -> tuple[Node, Node, Node] | None:
+        """(x, f_a's linear, f_b's linear) when every projection the fused op reads is
+        ``linear(x, W)`` with W a parameter (no bias), the same x, and the forget gate's
+        input is ``linear(linear(x, W_fa), W_fb)``, none of them with another reader; else None."""
+        f_b = chain.gate_view.args[0]
+        f_a = f_b.args[0] if is_call(f_b, {aten.linear.default}) else None
+        linears = [*chain.projections(), f_a, f_b]
         if not all(is_linear_of_parameter(n, params) and len(n.users) == 1 for n in linears):
             return None
         x = linears[0].args[0]
-        return x if all(n.args[0] is x for n in linears) else None
+        return (x, f_a, f_b) if all(n.args[0] is x for n in linears[:-1]) else None
 
     def _rewrite(self, gm: GraphModule, chain: _Chain, params: dict[str, str]) -> Rewrite:
         graph = gm.graph
@@ -294,24 +302,27 @@ class FuseKDADecode(GraphPass):
         # Each intermediate is written once and read once by the next op of the chain.
         nbytes = sum(2 * numel_at_one(tensor_val(n)) * tensor_val(n).element_size() for n in intermediates)
         removed, name = chain.replaced(), chain.decode.name
-        x, projections = self._shared_input(chain, params), chain.projections()
+        shared = self._shared_input(chain, params)
         with graph.inserting_before(chain.norm):
-            if x is None:
+            if shared is None:
                 fused = graph.call_function(k3.kda_decode_fused.default, chain.fused_args())
             else:  # the projections replaced by their input and weights, the other arguments as they were
+                x, f_a, f_b = shared
+                projections = [*chain.projections(), f_b, f_a]  # (erased in this order: users first)
                 by_name = dict(zip(_arg_names(k3.kda_decode_fused.default), chain.fused_args(), strict=True))
-                by_name.update(x=x, **{w: p.args[1] for w, p in zip(PROJECTION_WEIGHTS, projections, strict=True)})
+                by_name.update(x=x, f_a_weight=f_a.args[1], f_b_weight=f_b.args[1],
+                               **{w: p.args[1] for w, p in zip(_X_WEIGHTS, chain.projections(), strict=True)})
                 fused = graph.call_function(k3.kda_decode_fused_proj.default,
                                             tuple(by_name[n] for n in _arg_names(k3.kda_decode_fused_proj.default)))
         fused.meta["nn_module_stack"] = chain.norm.meta.get("nn_module_stack", {})
         chain.norm.replace_all_uses_with(fused)
         for node in removed:
             graph.erase_node(node)
-        if x is not None:
+        if shared is not None:
             for node in projections:
                 graph.erase_node(node)
             fused_nodes = [*projections, *fused_nodes]
-        launches = 1 if x is None else 2
+        launches = 1 if shared is None else 3  # GPU: the GEMM over x, f_b's, the kernel
         names = [op_name(n) for n in fused_nodes]
         ops = ", ".join(f"{op} x{names.count(op)}" if names.count(op) > 1 else op for op in dict.fromkeys(names))
         stats = {
@@ -321,7 +332,7 @@ class FuseKDADecode(GraphPass):
             "bytes_removed": nbytes,
         }
         detail = (f"layer {layer_of(fused)}: {ops} -> {op_name(fused)} ({len(fused_nodes)} launches -> {launches}"
-                  f"{'' if x is None else ': one GEMM over the five weights, then the kernel'})")
+                  f"{'' if shared is None else ': one GEMM over the six weights that read x, f_b, the kernel'})")
         return Rewrite(name, detail, stats)
 
 

@@ -1,4 +1,4 @@
-"""The fuse_kda_decode pass: each KDA layer's decode chain, with the five projections it
+"""The fuse_kda_decode pass: each KDA layer's decode chain, with the seven projections it
 reads, becomes one k3.kda_decode_fused_proj (k3.kda_decode_fused where a projection has
 another reader).
 
@@ -55,11 +55,11 @@ def test_decode_chain_is_fused_and_validated(compiled):
     assert decode.phase == "decode" and prefill.phase == "prefill"
     assert decode.result.matches == n and not decode.result.skipped
     assert decode.report.ok and decode.report.max_error == 0.0  # the same ops, the same order of math
-    # fp32: remove_noops already dropped beta's .float(), so 7 compute ops and 5 projections
-    # -> one GEMM and the kernel per layer
-    assert decode.result.stats["launches_removed"] == 10 * n
+    # fp32: remove_noops already dropped beta's .float(), so 7 compute ops and 7 projections
+    # (q, k, v, g, b, f_a, f_b) -> one GEMM over x, f_b's and the kernel per layer
+    assert decode.result.stats["launches_removed"] == 11 * n
     assert decode.result.stats["nodes_added"] == n
-    assert all("aten.linear x5, k3.short_conv_decode x3" in r.detail and "one GEMM over the five weights" in r.detail
+    assert all("aten.linear x7, k3.short_conv_decode x3" in r.detail and "one GEMM over the six weights" in r.detail
                for r in decode.result.rewrites)
 
     ops = count_ops(fused.captured.programs["decode"].graph_module)
@@ -67,7 +67,7 @@ def test_decode_chain_is_fused_and_validated(compiled):
     assert not any(ops.get(name) for name in REPLACED)
     plain_ops = count_ops(plain.captured.programs["decode"].graph_module)
     assert plain_ops["k3.kda_decode.default"] == n
-    assert ops["aten.linear.default"] == plain_ops["aten.linear.default"] - 5 * n
+    assert ops["aten.linear.default"] == plain_ops["aten.linear.default"] - 7 * n
     # Inputs keep their symbolic sizes (a pass must not specialise e.g. the cache slot count).
     inputs = [[str(n.meta["val"].shape) for n in r.captured.programs["decode"].graph.nodes if n.op == "placeholder"]
               for r in (plain, fused)]
@@ -98,29 +98,30 @@ def test_runtime_tokens_unchanged(compiled):
     assert (calls_plain, calls_fused) == (0, _kda_layers(fused))  # one fused op per KDA layer per step
     torch.testing.assert_close(step_fused, step_plain, rtol=0, atol=1e-6)
     assert tokens_fused == tokens_plain
-    # The runtime laid each layer's five projection weights out as consecutive rows of one
-    # buffer padded with zero rows to a multiple of ROW_ALIGN (tiny: 4 x 64 + 4 heads -> 320),
-    # and the prefill program reads the same tensors.
+    # The runtime laid each layer's six weights that read x out as consecutive rows of one
+    # buffer padded with zero rows to a multiple of ROW_ALIGN (tiny: 4 x 64 + 16 (f_a) + 4
+    # heads -> 320), and the prefill program reads the same tensors.
     from k3compile.runtime.memory_budget import weight_bytes
     from k3compile.runtime.weight_layout import ROW_ALIGN, column_blocks, consecutive_rows, row_groups
 
     groups = row_groups(fused.captured.programs["decode"])
     assert len(groups) == _kda_layers(fused)
     for group in groups:
-        assert [name.rsplit(".", 2)[-2] for name in group] == ["q_proj", "k_proj", "v_proj", "g_proj", "b_proj"]
+        assert [name.rsplit(".", 2)[-2] for name in group] == ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj",
+                                                                "b_proj"]
         weights = [rt.weights[name] for name in group]
         rows = consecutive_rows(weights)
         real = sum(w.shape[0] for w in weights)
-        assert real == 260 and rows is not None and rows.shape[0] == 320 == -(-real // ROW_ALIGN) * ROW_ALIGN
+        assert real == 276 and rows is not None and rows.shape[0] == 320 == -(-real // ROW_ALIGN) * ROW_ALIGN
         assert torch.equal(rows[:real], torch.cat(weights)) and not rows[real:].any()
         blocks = column_blocks(torch.eye(320), weights)
         assert [b.shape[1] for b in blocks] == [w.shape[0] for w in weights]
-        assert torch.equal(blocks[-1], torch.eye(320)[:, 256:260])
+        assert torch.equal(blocks[-1], torch.eye(320)[:, 272:276])
         prefill = rt.graph_modules["prefill"].get_parameter(group[0])
         assert prefill.data_ptr() == rt.weights[group[0]].data_ptr()
     program = fused.captured.programs["decode"]
     params = [s.target for s in program.graph_signature.input_specs if s.kind.name == "PARAMETER"]
-    padding = len(groups) * 60 * fused.captured.config.hidden_size * 4  # fp32 zero rows: the budget counts them
+    padding = len(groups) * 44 * fused.captured.config.hidden_size * 4  # fp32 zero rows: the budget counts them
     assert weight_bytes(program) == sum(program.state_dict[name].numel() * 4 for name in params) + padding
 
 
@@ -183,15 +184,16 @@ def test_op_schema_and_fake():
     torch.library.opcheck(k3.kda_decode_fused.default, args, test_utils=("test_schema", "test_faketensor"))
     out = k3.kda_decode_fused(*copy.deepcopy(args))
     assert out.shape == (B, H, DV) and out.dtype == torch.float32
-    # the proj variant: x [B, 8] and the q, k, v, g, b weights instead of the projections
+    # the proj variant: x [B, 8] and the q, k, v, g, b and f_a, f_b weights instead of the
+    # projections and the forget gate's input a
     x = r(B, 8)
-    weights = (r(H * D, 8), r(H * D, 8), r(H * DV, 8), r(H * DV, 8), r(H, 8))
-    rest = [a for i, a in enumerate(args) if i not in (0, 1, 2, 13, 17)]
+    weights = (r(H * D, 8), r(H * D, 8), r(H * DV, 8), r(H * DV, 8), r(H, 8), r(6, 8), r(H * D, 6))
+    rest = [a for i, a in enumerate(args) if i not in (0, 1, 2, 9, 13, 17)]
     proj_args = (x, *weights, *rest)
     torch.library.opcheck(k3.kda_decode_fused_proj.default, proj_args, test_utils=("test_schema", "test_faketensor"))
-    q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in weights)
+    q, k, v, g, b, f_a = (torch.nn.functional.linear(x, w) for w in weights[:6])
     unfused = list(copy.deepcopy(args))
-    unfused[0:3], unfused[13], unfused[17] = (q, k, v), b, g
+    unfused[0:3], unfused[9], unfused[13], unfused[17] = (q, k, v), torch.nn.functional.linear(f_a, weights[6]), b, g
     want = k3.kda_decode_fused(*unfused)
     assert torch.equal(k3.kda_decode_fused_proj(*copy.deepcopy(proj_args)), want)
 

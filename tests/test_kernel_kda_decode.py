@@ -278,11 +278,12 @@ def test_op_kernel_prepares_its_arguments(request: pytest.FixtureRequest) -> Non
 
 
 def test_proj_op_runs_one_gemm_over_consecutive_weights(request: pytest.FixtureRequest) -> None:
-    """``k3::kda_decode_fused_proj``'s kernel path: with the five projection weights laid out
-    as consecutive rows of one buffer (as the runtime loads them) one GEMM, whose columns the
-    kernel reads in place; with separate weights one GEMM each. Both equal the reference (the
-    five linears on the CPU, then the chain) within the kernel's tolerance. On a GPU machine
-    also on the GPU (cuBLAS and the compiled kernel)."""
+    """``k3::kda_decode_fused_proj``'s kernel path: with the six weights that read x (q, k, v,
+    g, f_a, b) laid out as consecutive rows of one buffer (as the runtime loads them) one
+    GEMM, whose columns the kernel reads in place, and f_b on its f_a columns; with separate
+    weights one GEMM each. Both equal the reference (the seven linears on the CPU, then the
+    chain) within the kernel's tolerance. On a GPU machine also on the GPU (cuBLAS and the
+    compiled kernel)."""
     from k3compile.runtime.weight_layout import consecutive_rows
 
     on_gpu = torch.cuda.is_available()
@@ -293,30 +294,31 @@ def test_proj_op_runs_one_gemm_over_consecutive_weights(request: pytest.FixtureR
     case = Case(batch=3, heads=2, head_dim=16, head_dim_v=32, block_v=None, dtype=torch.float32)
     fixed, _ = make_inputs(case, seed=12)
     gen = torch.Generator().manual_seed(13)
-    H, D, DV, hidden = case.heads, case.head_dim, case.head_dim_v, 24
-    rows = [H * D, H * D, H * DV, H * DV, H]  # q, k, v, g, b
+    H, D, DV, hidden, rank = case.heads, case.head_dim, case.head_dim_v, 24, 8
+    rows = [H * D, H * D, H * DV, H * DV, rank, H]  # q, k, v, g, f_a, b
     buffer = torch.randn(sum(rows), hidden, generator=gen) * 0.2
     laid_out = buffer.split(rows)
     assert consecutive_rows(laid_out) is not None
     separate = [w.clone() for w in laid_out]
     assert consecutive_rows(separate) is None
+    f_b = torch.randn(H * D, rank, generator=gen) * 0.3
     x = torch.randn(case.batch, hidden, generator=gen)
-    a = torch.randn(case.batch, H * D, generator=gen)
     ref_inputs = _with_own_states(fixed)
-    q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in separate)
-    y_ref = kda_decode_chain_reference(q, k, v, a=a, beta=b, gate=g,
+    q, k, v, g, u, b = (torch.nn.functional.linear(x, w) for w in separate)
+    y_ref = kda_decode_chain_reference(q, k, v, a=torch.nn.functional.linear(u, f_b), beta=b, gate=g,
                                        **{n: ref_inputs[n] for n in _PROJ_REST})
     on = lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t  # noqa: E731
     for weights in (buffer.to(dev).split(rows), [on(w) for w in separate]):
         inputs = {n: on(t) for n, t in _with_own_states(fixed).items()}
-        y = kda.kda_decode_fused_proj_op(on(x), *weights, *(inputs[n] for n in _PROJ_REST[:6]), on(a),
-                                         *(inputs[n] for n in _PROJ_REST[6:]))
+        q_w, k_w, v_w, g_w, f_a_w, b_w = weights  # the proj op's order: ..., b, f_a, f_b
+        y = kda.kda_decode_fused_proj_op(on(x), q_w, k_w, v_w, g_w, b_w, f_a_w, on(f_b),
+                                         *(inputs[n] for n in _PROJ_REST))
         assert_close_scaled(y.cpu(), y_ref, torch.float32, roundings=KDA_Y(torch.float32), dims=-1, what="y")
         assert_close_scaled(inputs["state"].cpu(), ref_inputs["state"], torch.float32, roundings=KDA_STATE,
                             what="state")
 
 
-# kda_decode_fused_proj's arguments after x, the five weights (and a, between them)
+# kda_decode_fused_proj's arguments after x and the seven weights
 _PROJ_REST = ("conv_weight_q", "conv_weight_k", "conv_weight_v", "conv_state_q", "conv_state_k", "conv_state_v",
               "A_log", "dt_bias", "lower_bound", "state", "slots", "scale", "norm_weight", "eps")
 

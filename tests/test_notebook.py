@@ -141,7 +141,7 @@ def test_pass_sections_show_what_each_pass_did(executed):
     dedup = out("dedup_replicated_linear")
     assert "weights/GPU" in dedup and "FLOPs/token" in dedup and "c10d" not in dedup  # no collective added
     assert "launches if false" in out("sink_copies")
-    assert "-40 launches" in out("fuse_kda_decode")  # 10 per KDA layer (7 ops and 5 projections -> 2), 4 layers
+    assert "-44 launches" in out("fuse_kda_decode")  # 11 per KDA layer (7 ops and 7 projections -> 3), 4 layers
     assert "KV cache/token" in out("split_mla_context") and "+6 collectives" in out("split_mla_context")
     assert "heads 4 -&gt; 16" in rich(tagged(executed, "pass-pad_attention_heads"), "text/html")
     prefill = stdout(tagged(executed, "pass-split_mla_context-prefill"))

@@ -38,12 +38,14 @@ Implementations:
   (``k3compile.runtime.kernels.register_gpu_kernels``); this module does not import it.
 - fake: ``[B, H, DV]`` like v.
 
-``k3::kda_decode_fused_proj`` is the same step from the layer's input ``x`` and the five
-projection weights it reads (q, k, v, g and b; column-parallel), so that the projections
-can run as ONE GEMM: the runtime lays those weights out as consecutive rows of one buffer
-at load (``k3compile/runtime/weight_layout.py``), and its GPU implementation multiplies x
-by all their rows at once and hands the kernel column views of the product. Its reference
-computes the five ``linear``s and then the chain: exactly what the graph did.
+``k3::kda_decode_fused_proj`` is the same step from the layer's input ``x`` and the
+projection weights that read it: q, k, v, g and b (column-parallel) and the forget gate's
+low-rank pair, ``a = f_b(f_a(x))`` (f_a replicated, f_b column-parallel), so that every
+projection of x runs as ONE GEMM: the runtime lays q, k, v, g, f_a and b out as consecutive
+rows of one buffer at load (``k3compile/runtime/weight_layout.py``), and its GPU
+implementation multiplies x by all their rows at once, runs f_b on the f_a columns and
+hands the kernel column views of the product. Its reference computes the seven ``linear``s
+and then the chain: exactly what the graph did.
 
 Placement: per head, as for the ops it replaces (``k3compile/placement/k3_rules.py``).
 """
@@ -58,9 +60,9 @@ __all__ = ["MUTATED", "PROJECTION_WEIGHTS", "kda_decode_chain_reference", "kda_d
 
 #: The op's in-place arguments (rank-local caches).
 MUTATED = ("conv_state_q", "conv_state_k", "conv_state_v", "state")
-#: ``kda_decode_fused_proj``'s weights, in the order the runtime lays their rows out (the
-#: 16-byte-aligned widths first: b has only H rows)
-PROJECTION_WEIGHTS = ("q_weight", "k_weight", "v_weight", "g_weight", "b_weight")
+#: ``kda_decode_fused_proj``'s weights that multiply x, in the order the runtime lays their
+#: rows out (the 16-byte-aligned widths first: b has only H rows)
+PROJECTION_WEIGHTS = ("q_weight", "k_weight", "v_weight", "g_weight", "f_a_weight", "b_weight")
 
 
 def kda_decode_chain_reference(
@@ -148,13 +150,14 @@ def kda_decode_fused_proj(
     v_weight: Tensor,
     g_weight: Tensor,
     b_weight: Tensor,
+    f_a_weight: Tensor,
+    f_b_weight: Tensor,
     conv_weight_q: Tensor,
     conv_weight_k: Tensor,
     conv_weight_v: Tensor,
     conv_state_q: Tensor,
     conv_state_k: Tensor,
     conv_state_v: Tensor,
-    a: Tensor,
     A_log: Tensor,
     dt_bias: Tensor,
     lower_bound: float,
@@ -164,9 +167,12 @@ def kda_decode_fused_proj(
     norm_weight: Tensor,
     eps: float,
 ) -> Tensor:
-    """One KDA decode step from the layer input x [B, hidden]: q/k/v/g/b = x @ W^T, then
-    :func:`kda_decode_fused` (b is beta's logits, g the output gate); reference."""
-    q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in (q_weight, k_weight, v_weight, g_weight, b_weight))
+    """One KDA decode step from the layer input x [B, hidden]: q/k/v/g/b = x @ W^T and the
+    forget gate's input a = (x @ W_fa^T) @ W_fb^T, then :func:`kda_decode_fused` (b is beta's
+    logits, g the output gate); reference."""
+    linear = torch.nn.functional.linear
+    q, k, v, g, b = (linear(x, w) for w in (q_weight, k_weight, v_weight, g_weight, b_weight))
+    a = linear(linear(x, f_a_weight), f_b_weight)
     return kda_decode_chain_reference(
         q, k, v, conv_weight_q, conv_weight_k, conv_weight_v, conv_state_q, conv_state_k, conv_state_v,
         a, A_log, dt_bias, lower_bound, b, state, slots, scale, g, norm_weight, eps,
@@ -176,9 +182,9 @@ def kda_decode_fused_proj(
 @kda_decode_fused_proj.register_fake
 def _(
     x: Tensor, q_weight: Tensor, k_weight: Tensor, v_weight: Tensor, g_weight: Tensor, b_weight: Tensor,
-    conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor, conv_state_q: Tensor,
-    conv_state_k: Tensor, conv_state_v: Tensor, a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
-    state: Tensor, slots: Tensor, scale: float, norm_weight: Tensor, eps: float,
+    f_a_weight: Tensor, f_b_weight: Tensor, conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor,
+    conv_state_q: Tensor, conv_state_k: Tensor, conv_state_v: Tensor, A_log: Tensor, dt_bias: Tensor,
+    lower_bound: float, state: Tensor, slots: Tensor, scale: float, norm_weight: Tensor, eps: float,
 ) -> Tensor:
     _, H, _, DV = state.shape
     return x.new_empty(x.shape[0], H, DV)

@@ -162,17 +162,18 @@ _FUSED_SHARDED = {
 
 
 def _fused_proj_cost(call: CostCall) -> Cost:
-    """The fused step's cost plus the five projections' GEMM (2 FLOPs per weight and row)."""
+    """The fused step's cost plus the projections' GEMMs (2 FLOPs per weight and row)."""
     step = _fused_cost(call, batch_arg="x")
-    gemm = 2 * call.size("x", 0) * sum(call.numel(w) for w in PROJECTION_WEIGHTS)
+    gemm = 2 * call.size("x", 0) * sum(call.numel(w) for w in (*PROJECTION_WEIGHTS, "f_b_weight"))
     return Cost(step.flops + gemm, step.bytes)
 
 
-# The proj variant reads x (Replicate) and the column-parallel projection weights (Shard(0))
-# in place of the projections.
+# The proj variant reads x (Replicate) and the projection weights in place of the
+# projections: column-parallel (Shard(0)) but for f_a, whose low-rank output every rank
+# computes whole (Replicate), as the model's ReplicatedLinear does.
 _FUSED_PROJ_SHARDED = {
-    **{k: d for k, d in _FUSED_SHARDED.items() if k not in ("q", "k", "v", "beta", "gate")},
-    **{w: 0 for w in PROJECTION_WEIGHTS},
+    **{k: d for k, d in _FUSED_SHARDED.items() if k not in ("q", "k", "v", "a", "beta", "gate")},
+    **{w: 0 for w in (*PROJECTION_WEIGHTS, "f_b_weight") if w != "f_a_weight"},
 }
 register_op_rules({
     kda_decode_fused: split(_FUSED_SHARDED, out=1, what="heads", caches=KDA_FUSED_CACHES, cost=_fused_cost),

@@ -250,19 +250,21 @@ def kda_decode_fused_op(
 
 def kda_decode_fused_proj_op(
     x: Tensor, q_weight: Tensor, k_weight: Tensor, v_weight: Tensor, g_weight: Tensor, b_weight: Tensor,
-    conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor, conv_state_q: Tensor,
-    conv_state_k: Tensor, conv_state_v: Tensor, a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float,
-    state: Tensor, slots: Tensor, scale: float, norm_weight: Tensor, eps: float,
+    f_a_weight: Tensor, f_b_weight: Tensor, conv_weight_q: Tensor, conv_weight_k: Tensor, conv_weight_v: Tensor,
+    conv_state_q: Tensor, conv_state_k: Tensor, conv_state_v: Tensor, A_log: Tensor, dt_bias: Tensor,
+    lower_bound: float, state: Tensor, slots: Tensor, scale: float, norm_weight: Tensor, eps: float,
 ) -> Tensor:
-    """``k3::kda_decode_fused_proj``: the five projections as ONE GEMM when the runtime laid
-    their weights out as consecutive rows of one buffer (``weight_layout``), else one GEMM
-    each; the kernel then reads the projections' columns in place (row-strided views)."""
-    weights = (q_weight, k_weight, v_weight, g_weight, b_weight)
+    """``k3::kda_decode_fused_proj``: the six projections of x as ONE GEMM when the runtime
+    laid their weights out as consecutive rows of one buffer (``weight_layout``), else one
+    GEMM each; f_b on the f_a columns; the kernel then reads the projections' columns in
+    place (row-strided views)."""
+    weights = (q_weight, k_weight, v_weight, g_weight, f_a_weight, b_weight)  # fused_op.PROJECTION_WEIGHTS
     rows = consecutive_rows(weights)
     if rows is not None:
-        q, k, v, g, b = column_blocks(torch.nn.functional.linear(x, rows), weights)
+        q, k, v, g, f_a, b = column_blocks(torch.nn.functional.linear(x, rows), weights)
     else:
-        q, k, v, g, b = (torch.nn.functional.linear(x, w) for w in weights)
+        q, k, v, g, f_a, b = (torch.nn.functional.linear(x, w) for w in weights)
+    a = torch.nn.functional.linear(f_a, f_b_weight)
     return kda_decode_fused_op(q, k, v, conv_weight_q, conv_weight_k, conv_weight_v, conv_state_q, conv_state_k,
                                conv_state_v, a, A_log, dt_bias, lower_bound, b, state, slots, scale, g, norm_weight,
                                eps)
