@@ -60,6 +60,7 @@ ATTENTION_FP8 = Selection("tests/test_kernel_mla_fp8.py", "generic_and_prefill_f
 CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_kernel")
 MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
+KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation")
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,12 @@ MUTANTS = [
            "zv = _rounded(tl.load(src + z_col + zc, mask=z_mask, other=0.0), z_ptr.dtype.element_ty, ROUND_BY_HAND)",
            "zv = tl.load(src + z_col + zc, mask=z_mask, other=0.0)", MOE_INPUT,
            "MoE input kernel: z stored by a plain cast (truncated under the interpreter)"),
+    Mutant("kda_prefill_diagonal_in_A", "runtime/kernels/kda_prefill.py",
+           "A += tl.where(col & (rows[:, None] > j)", "A += tl.where(col & (rows[:, None] >= j)", KDA_PREFILL,
+           "KDA prefill: A takes its diagonal (a token's own key corrects its own value)"),
+    Mutant("kda_prefill_start_state_not_decayed", "runtime/kernels/kda_prefill.py",
+           "S = GL[:, None] * S + tl.dot(KEt, U", "S = S + tl.dot(KEt, U", KDA_PREFILL,
+           "KDA prefill: the state carried to the next chunk skips the chunk's decay"),
 ]
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "short_conv_decode",
     "kda_gate",
     "kda_prefill",
+    "kda_prefill_reference",
     "kda_decode",
     "gated_rms_norm",
 ]
@@ -278,6 +279,15 @@ def kda_prefill(
     scale: float,
 ) -> Tensor:
     """Chunked KDA over packed sequences from state[slots]; writes final states back."""
+    return kda_prefill_reference(q, k, v, g, beta, state, cu_seqlens, slots, scale)
+
+
+def kda_prefill_reference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor, slots: Tensor,
+    scale: float,
+) -> Tensor:
+    """``k3::kda_prefill``'s torch reference (the numerical truth): :func:`kda_chunked` per
+    sequence, in place on ``state[slots]``."""
     T, H, _ = q.shape
     out = v.new_empty(T, H, v.shape[-1])
     qn, kn = l2norm(q), l2norm(k)

@@ -1,0 +1,255 @@
+"""KDA prefill: the chunked gated delta rule over packed sequences, in two Triton launches.
+
+Semantics are those of ``torch.ops.k3.kda_prefill`` (k3compile/ops/kda.py, whose torch
+reference ``kda_chunked`` is the numerical truth and names the math): per sequence and
+head, from the state ``S0 = state[slot, h]`` [D, DV] fp32, with q and k L2-normalised (fla's
+convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cumsum G_r:
+
+    A[r, j]  = beta_j k_r . (e^{G_r - G_j} k_j)            j < r   (strictly lower)
+    Aq[r, j] = beta_j q_r . (e^{G_r - G_j} k_j)            j <= r
+    T        = (I + A)^-1;  W = T (k e^G);  U~ = T v
+    U        = U~ - W S0
+    o        = (q e^G) S0 + Aq U
+    S1       = e^{G_last} S0 + (beta k e^{G_last - G})^T U
+
+Launches:
+
+1. ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on
+   the state, for every chunk of every sequence in parallel: the norms, G, A and Aq (one
+   key column at a time, exponents clamped at 0 so that e^{G_r - G_j} never overflows
+   for the rows it does not belong to), T by forward substitution, W and U~ by two
+   products, and the factors the scan multiplies the state by (q e^G, beta k
+   e^{G_last - G}, e^{G_last}). Stored in fp32 workspaces per (chunk, head).
+2. ``_kda_chunk_scan_kernel``, grid (sequences, heads, value tiles of BV): the sequence's
+   chunks in order, the state tile [D, BV] in registers: U, o and S1 per chunk as above (four
+   products), o stored in v's dtype, the final state stored back to ``state[slot]`` in place.
+
+Chunks are found on the device: each sequence's chunks are numbered after the previous
+sequences' (``torch.searchsorted`` over the running chunk counts), and the first grid is
+sized for the worst case, ``cdiv(T, BT) + sequences``; programs past the real count exit.
+No host synchronisation.
+
+Numerics: fp32 throughout, products at full fp32 precision (``input_precision="ieee"``);
+padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
+neither decay nor write the state, as in the reference. This is the first, correctness-first
+version (issue #23): A is built on the vector units one key column at a time and T by row
+substitution; the tensor-core formulation (sub-chunks of 16, fla's) is the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3compile.ops import kda as kda_ops
+from k3compile.ops.kda import L2NORM_EPS
+from k3compile.runtime.kernels import counted
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
+
+#: tokens per chunk (the reference's default)
+CHUNK = 64
+#: state columns per scan program
+BLOCK_V = 32
+#: launch parameters (warps, software-pipeline stages) of the two kernels
+PREP_WARPS, PREP_STAGES = 8, 1
+SCAN_WARPS, SCAN_STAGES = 4, 1
+
+
+@counted
+@triton.jit
+def _kda_chunk_prep_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [T, H, D], [T, H, D], [T, H, DV], [T, H, D] fp32, [T, H] fp32
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,  # cu_seqlens [N+1]; per chunk: sequence, first token; [1]
+    w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
+    scale, H, eps,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    if c >= tl.load(n_chunks_ptr):
+        return
+    seq = tl.load(chunk_seq_ptr + c)
+    t0 = tl.load(chunk_first_ptr + c)
+    end = tl.load(cu_ptr + seq + 1)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    dk = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    valid = t0 + rows < end
+    tok = (t0 + rows).to(tl.int64)
+
+    qk_off = (tok[:, None] * H + h) * D + dk[None, :]
+    q = tl.load(q_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None]
+    G = tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0)
+    beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
+    v = tl.load(v_ptr + (tok[:, None] * H + h) * DV + dv[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+
+    # A and Aq, one key column j at a time: e^{G_r - G_j} for the rows r >= j (G falls
+    # along the chunk, so the exponent is <= 0 there; clamped for the rows above).
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(BT):
+        at_j = (rows == j)[:, None]
+        G_j = tl.sum(tl.where(at_j, G, 0.0), axis=0)
+        k_j = tl.sum(tl.where(at_j, k, 0.0), axis=0)
+        beta_j = tl.sum(tl.where(rows == j, beta, 0.0), axis=0)
+        kd = tl.exp(tl.minimum(G - G_j[None, :], 0.0)) * k_j[None, :]  # row r: e^{G_r - G_j} k_j
+        col = (cols == j)[None, :]
+        A += tl.where(col & (rows[:, None] > j), (tl.sum(k * kd, axis=1) * beta_j)[:, None], 0.0)
+        Aq += tl.where(col & (rows[:, None] >= j), (tl.sum(q * kd, axis=1) * beta_j)[:, None], 0.0)
+
+    # T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j, :].
+    Tinv = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    At = tl.trans(A)  # At[j, i] = A[i, j]: row i of A along the row axis, to weigh T's rows
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(cols[None, :] == i, At, 0.0), axis=1)  # [BT] over j
+        new = tl.where(cols == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
+        Tinv = tl.where(rows[:, None] == i, new[None, :], Tinv)
+
+    eG = tl.exp(G)
+    G_last = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), axis=0)
+    W = tl.dot(Tinv, k * eG, input_precision="ieee")
+    U = tl.dot(Tinv, v, input_precision="ieee")
+
+    base = (c * H + h).to(tl.int64)
+    tl.store(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :], W)
+    tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + dv[None, :], U)
+    tl.store(aq_ptr + base * BT * BT + rows[:, None] * BT + cols[None, :], Aq)
+    tl.store(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :], q * eG)
+    tl.store(ke_ptr + base * BT * D + rows[:, None] * D + dk[None, :],
+             k * tl.exp(G_last[None, :] - G) * beta[:, None])
+    tl.store(gl_ptr + base * D + dk, tl.exp(G_last))
+
+
+@counted
+@triton.jit
+def _kda_chunk_scan_kernel(
+    w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # the prep kernel's workspaces
+    o_ptr, state_ptr,  # [T, H, DV] in v's dtype; [S, H, D, DV] fp32, updated in place
+    cu_ptr, slots_ptr, seq_chunk0_ptr,  # cu_seqlens [N+1]; slots [N]; each sequence's first chunk [N]
+    H,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
+    start = tl.load(cu_ptr + i)
+    end = tl.load(cu_ptr + i + 1)
+    c0 = tl.load(seq_chunk0_ptr + i)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    rows = tl.arange(0, BT)
+    dk = tl.arange(0, D)
+    s_off = ((slot * H + h) * D + dk[:, None]) * DV + vcols[None, :]
+    S = tl.load(state_ptr + s_off)
+    for cc in range(tl.cdiv(end - start, BT)):
+        base = ((c0 + cc) * H + h).to(tl.int64)
+        W = tl.load(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
+        U = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + vcols[None, :])
+        Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
+        QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
+        KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
+        GL = tl.load(gl_ptr + base * D + dk)
+        U = U - tl.dot(W, S, input_precision="ieee")
+        o = tl.dot(QG, S, input_precision="ieee") + tl.dot(Aq, U, input_precision="ieee")
+        S = GL[:, None] * S + tl.dot(KEt, U, input_precision="ieee")
+        tok = (start + cc * BT + rows).to(tl.int64)
+        tl.store(o_ptr + (tok[:, None] * H + h) * DV + vcols[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=(tok < end)[:, None])
+    tl.store(state_ptr + s_off, S)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
+           slots: Tensor) -> None:
+    T, H, D = q.shape
+    DV = v.shape[-1]
+    problems = []
+    if k.shape != q.shape or g.shape != q.shape or v.shape[:2] != (T, H) or beta.shape != (T, H):
+        problems.append(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)} and "
+                        f"beta {tuple(beta.shape)} do not describe [T, H, D] / [T, H, DV] / [T, H]")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (H, D, DV):
+        problems.append(f"state must be [S, {H}, {D}, {DV}], got {tuple(state.shape)}")
+    if cu_seqlens.dim() != 1 or slots.shape != (cu_seqlens.numel() - 1,):
+        problems.append(f"cu_seqlens [N+1] and slots [N] expected, got {tuple(cu_seqlens.shape)} and "
+                        f"{tuple(slots.shape)}")
+    if problems:
+        raise ValueError("kda_prefill: " + "; ".join(problems))
+
+
+def kernel_takes(q: Tensor, v: Tensor, state: Tensor, chunk: int = CHUNK) -> bool:
+    """Whether the kernels take these shapes (else the reference runs): head dims and the
+    chunk powers of two >= 16, DV a multiple of the scan's value tile, an fp32 contiguous
+    state (it is updated in place)."""
+    D, DV = q.shape[-1], v.shape[-1]
+    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (D, DV, chunk))
+    return pow2 and DV % min(BLOCK_V, DV) == 0 and state.dtype == torch.float32 and state.is_contiguous()
+
+
+def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
+                slots: Tensor, scale: float, chunk: int = CHUNK) -> Tensor:
+    """``k3::kda_prefill`` in two launches (module docstring); updates ``state[slots]`` in
+    place and returns o [T, H, DV] in v's dtype. ``chunk``: tokens per chunk. Shapes the
+    kernels do not take (:func:`kernel_takes`) run the op's torch reference."""
+    _check(q, k, v, g, beta, state, cu_seqlens, slots)
+    if not kernel_takes(q, v, state, chunk):
+        return kda_ops.kda_prefill_reference(q, k, v, g, beta, state, cu_seqlens, slots, scale)
+    T, H, D = q.shape
+    DV = v.shape[-1]
+    N = slots.numel()
+    o = torch.empty((T, H, DV), dtype=v.dtype, device=v.device)
+    if T == 0 or N == 0:
+        return o
+    dev = q.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+    chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk  # per sequence
+    ends = torch.cumsum(chunks, 0)
+    first_chunk = ends - chunks
+    worst = triton.cdiv(T, chunk) + N  # every sequence may end in a partial chunk
+    ids = torch.arange(worst, device=dev)
+    chunk_seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
+    chunk_first = cu[chunk_seq] + (ids - first_chunk[chunk_seq]) * chunk
+    f32 = {"dtype": torch.float32, "device": dev}
+    w, qg, ke = (torch.empty((worst, H, chunk, D), **f32) for _ in range(3))
+    u = torch.empty((worst, H, chunk, DV), **f32)
+    aq = torch.empty((worst, H, chunk, chunk), **f32)
+    gl = torch.empty((worst, H, D), **f32)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    _kda_chunk_prep_kernel[(worst, H)](
+        q, k, v, g.float().contiguous(), beta.float().contiguous(), cu, chunk_seq, chunk_first, ends[-1:],
+        w, u, aq, qg, ke, gl, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, num_warps=PREP_WARPS,
+        num_stages=PREP_STAGES,
+    )
+    bv = min(BLOCK_V, DV)
+    _kda_chunk_scan_kernel[(N, H, DV // bv)](
+        w, u, aq, qg, ke, gl, o, state, cu, slots.to(device=dev, dtype=torch.int64), first_chunk, H,
+        D=D, DV=DV, BT=chunk, BV=bv, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+    )
+    return o
+
+
+def aot_requests(heads: int = 12, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
+    """Both kernels as the launcher runs them at K3's per-rank shapes (12 heads, D = DV = 128)."""
+    t = TRITON_DTYPES[dtype]
+    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK}
+    prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+                  "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
+                  **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr")},
+                  "scale": "fp32", "eps": "fp32"}
+    scan_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BV": min(BLOCK_V, head_dim)}
+    scan_types = {**{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "state_ptr")},
+                  "o_ptr": f"*{t}", "cu_ptr": "*i64", "slots_ptr": "*i64", "seq_chunk0_ptr": "*i64"}
+    return [
+        KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
+                     launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, PREP_WARPS, PREP_STAGES),
+        KernelLaunch("kda_prefill scan", _kda_chunk_scan_kernel,
+                     launch_signature(_kda_chunk_scan_kernel, scan_types, scan_c), scan_c, SCAN_WARPS, SCAN_STAGES),
+    ]
+
+
+def register_kernels(device_type: str) -> None:
+    """Make :func:`kda_prefill` the ``device_type`` implementation of ``k3::kda_prefill``."""
+    kda_ops.kda_prefill.register_kernel(device_type)(kda_prefill)

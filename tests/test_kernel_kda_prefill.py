@@ -1,0 +1,121 @@
+"""The KDA prefill kernels (runtime/kernels/kda_prefill.py) against ``k3::kda_prefill``'s
+torch reference, under the Triton interpreter without a GPU (conftest sets
+TRITON_INTERPRET; on a GPU machine on the GPU).
+
+Packed ragged batches whose sequences end at every residue of the chunk, states updated
+in place in the given slots and nowhere else, a sequence continued from a state a first
+call left, shapes the kernels do not take (the reference runs) and bad inputs (a clear
+error before any work). Tolerance: fp32 throughout, the chunked math of the reference in
+another order (products and sums over up to 64 tokens): 2e-5 of the largest value in
+fp32, one bf16 rounding of the output in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
+from k3compile.ops.kda import kda_gate, kda_prefill_reference
+from k3compile.runtime.kernels import aot, kda_prefill, kernel_launches, reset_kernel_launches
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make(lens: list[int], H: int = 2, D: int = 16, DV: int = 32, dtype: torch.dtype = torch.float32,
+         slots: list[int] | None = None, states: int = 6, seed: int = 0) -> dict[str, object]:
+    """Packed inputs of sequences of ``lens`` tokens, K3's gate (lower bound -5, some tokens
+    at the bound), random starting states."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    g = kda_gate(r(T, H, D) * 3, r(H) + 1.0, r(H * D), -5.0)
+    x = {"q": r(T, H, D).to(dtype), "k": r(T, H, D).to(dtype), "v": r(T, H, DV).to(dtype), "g": g,
+         "beta": torch.rand(T, H, generator=gen), "state": r(states, H, D, DV),
+         "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+         "slots": torch.tensor(slots if slots is not None else list(range(len(lens))))}
+    return {n: t.to(DEVICE) for n, t in x.items()}
+
+
+def run_both(x: dict[str, object], chunk: int, scale: float = 0.25):
+    """(o, state) of the kernels and of the reference, each from its own copy of the states."""
+    args = lambda state: (x["q"], x["k"], x["v"], x["g"], x["beta"], state, x["cu_seqlens"], x["slots"])  # noqa: E731
+    s_kernel, s_ref = x["state"].clone(), x["state"].cpu().clone()
+    o = kda_prefill.kda_prefill(*args(s_kernel), scale, chunk=chunk)
+    o_ref = kda_prefill_reference(*(t.cpu() for t in args(s_ref)[:5]), s_ref, x["cu_seqlens"].cpu(),
+                                  x["slots"].cpu(), scale)
+    return o.cpu(), s_kernel.cpu(), o_ref, s_ref
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    scale = want.float().abs().max().clamp(min=1.0)
+    tol = 2e-5 if dtype == torch.float32 else 2.0**-8
+    err = float((got.float() - want.float()).abs().max() / scale)
+    assert err <= tol, f"{what}: max error {err:.3g} of the largest value, tolerance {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_batch_at_every_chunk_residue(dtype):
+    """Sequences of 1, 15, 16, 17, 31, 33 and 48 tokens with chunks of 16: each ends at a
+    different residue (and one token); slots out of order, states 1 and 5 untouched."""
+    lens = [1, 15, 16, 17, 31, 33, 48]
+    slots = [3, 0, 6, 2, 7, 4, 8]
+    x = make(lens, dtype=dtype, slots=slots, states=9)
+    reset_kernel_launches()
+    o, state, o_ref, state_ref = run_both(x, chunk=16)
+    assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_chunk_scan_kernel": 1}
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    close(o, o_ref, dtype, "o")
+    close(state, state_ref, torch.float32, "state")
+    assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])  # slots no sequence owns
+
+
+def test_k3_chunk_of_64_and_a_continuation():
+    """Chunks of 64 (the default) over 130 and 64 tokens; then a second call continues both
+    sequences from the states the first left (chunked prefill of a long prompt)."""
+    x = make([130, 64], D=32, DV=32, seed=1)
+    o, state, o_ref, state_ref = run_both(x, chunk=64)
+    close(o, o_ref, torch.float32, "o")
+    close(state, state_ref, torch.float32, "state")
+    y = make([70, 3], D=32, DV=32, seed=2)
+    y["state"] = state.to(DEVICE)
+    o2, state2, o2_ref, state2_ref = run_both(y, chunk=64)
+    close(o2, o2_ref, torch.float32, "o of the continuation")
+    close(state2, state2_ref, torch.float32, "state of the continuation")
+
+
+def test_shapes_the_kernels_do_not_take_run_the_reference():
+    """Head dims of 8 (not >= 16): the reference, no kernel launch, same result."""
+    x = make([5, 9], D=8, DV=8)
+    reset_kernel_launches()
+    o, state, o_ref, state_ref = run_both(x, chunk=16)
+    assert kernel_launches() == {}
+    assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
+
+
+def test_bad_inputs_are_refused_before_any_work():
+    x = make([4, 4])
+    state = x["state"].clone()
+    with pytest.raises(ValueError, match=r"cu_seqlens \[N\+1\] and slots \[N\] expected"):
+        kda_prefill.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, x["cu_seqlens"],
+                                x["slots"][:1], 0.25)
+    with pytest.raises(ValueError, match=r"state must be \[S, 2, 16, 32\]"):
+        kda_prefill.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state[..., :16], x["cu_seqlens"],
+                                x["slots"], 0.25)
+    assert torch.equal(state, x["state"])
+
+
+def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
+    return {(t, launch.name): launch.request(t) for t in aot.TARGETS for launch in kda_prefill.aot_requests()}
+
+
+def test_kernels_compile_for_every_target(aot_reports):
+    """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64): both kernels compile
+    and fit their targets' shared memory / LDS; on gfx950 and gfx942 without spills. (sm_90
+    spills: this first version keeps [64, 128] fp32 tiles of six operands live in a
+    program; docs/kernels.md.)"""
+    assert len(aot_reports) == 2 * len(aot.TARGETS)
+    for (target, name), res in aot_reports.items():
+        assert res.fits, (target, name, res)
+        if target.startswith("gfx"):
+            assert res.spills == 0, (target, name, res)
