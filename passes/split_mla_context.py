@@ -62,11 +62,24 @@ After with the default ``merge="all-to-all"``, the merge part::
 (L: RankLocal, a value of this rank alone.) The cache write is not rewritten: its slot
 mapping input now holds this rank's local slot for the tokens it owns and the scratch
 slot for the others, and ``block_table`` this rank's blocks (the layout's contract with
-the runtime, which fills them). ``seq_lens`` stays global. Prefill: each
-``k3.mla_prefill`` (which reads the whole context back from the cache) becomes
-``k3.mla_prefill_new_tokens`` over the latents the step just computed, which every rank
-has in full: context-parallel prefill starts new sequences (the op rejects a sequence
-with earlier tokens; the runtime checks first). KDA state stays split by heads.
+the runtime, which fills them). ``seq_lens`` stays global. KDA state stays split by heads.
+
+Prefill: each ``k3.mla_prefill`` (the naive form, reading the whole context back from the
+cache after the step's write) becomes the absorbed form over this rank's positions, so
+that a sequence with history (a continuation, a prefill chunk after the first) can
+continue under DCP::
+
+    %view = aten.view(%kv_b_proj_weight, [h, Dn+Dv, L]); %w_uk / %w_uv: its two slices
+    %q_latent = aten.einsum('thd,hdl->thl', [q_nope, %w_uk]); %q_abs = cat([%q_latent, q_pe])
+    (the heads all-gathered to [T, dcp*h, W] as above)
+    %mla_prefill_partial = k3.mla_prefill_partial(%q_all, %caches_13, %block_table, %cu_seqlens,
+                               %seq_lens, %context_parallel_position_offset, dcp, interleave, scale, L)
+    (the same merge as decode: [T, h, L])
+    %einsum_1 = aten.einsum('thl,hdl->thd', [%merged, %w_uv])                   [T, h, Dv]
+
+Each new token attends to the cached positions up to its own (the op maps a rank's local
+rows to global positions); the all-gather moves T x dcp*h x W queries per layer, which a
+prefill chunk size bounds.
 
 The pass runs only when the plan has ``dcp > 1`` and is then required (the runtime lays
 out the caches by position); it must run before ``pad_attention_heads``, which then
@@ -85,6 +98,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from k3compile.context_parallel import DCP_GROUP_NAME, LAYOUT_META_KEY, program_layout
+from k3compile.mla_cache_fp8 import cache_value_width
 from k3compile.pipeline.graph_edits import add_rank_constant
 from k3compile.pipeline.interface import GraphPass, PassContext, PassError, PassResult, Rewrite, Skipped, register_pass
 from k3compile.sharding import ParallelPlan, ShardOffset
@@ -133,17 +147,19 @@ class SplitMLAContext(GraphPass):
             result.skipped.append(Skipped(attention[0].name, "the program is already in the context-parallel layout"))
             return result
         dcp, interleave = ctx.plan.dcp, ctx.plan.dcp_interleave
+        offset: list[Node] = []  # the rank constant, made once
         local_lengths: dict[Node, Node] = {}  # per seq_lens input: one k3.dcp_local_lengths for all layers
         for node in attention:
+            if not offset:
+                offset.append(add_rank_constant(ctx, POSITION_OFFSET, ShardOffset(dcp * interleave, period=dcp)))
             if node.target is k3.mla_prefill.default:
-                result.add_rewrite(self._rewrite_prefill(gm, node))
+                result.add_rewrite(self._rewrite_prefill(gm, node, offset[0], dcp, interleave))
                 continue
             seq_lens = node.args[3]
             if seq_lens not in local_lengths:
-                offset = add_rank_constant(ctx, POSITION_OFFSET, ShardOffset(dcp * interleave, period=dcp))
                 with gm.graph.inserting_before(node):  # the first decode attention of the graph
                     local_lengths[seq_lens] = gm.graph.call_function(
-                        k3.dcp_local_lengths.default, (seq_lens, offset, dcp, interleave))
+                        k3.dcp_local_lengths.default, (seq_lens, offset[0], dcp, interleave))
             result.add_rewrite(self._rewrite_decode(gm, node, local_lengths[seq_lens], dcp))
         gm.meta[LAYOUT_META_KEY] = (dcp, interleave)
         result.changed = True
@@ -160,31 +176,11 @@ class SplitMLAContext(GraphPass):
         if 1 in users and users[1].users:
             raise PassError(f"{node.name}: its LSE is used downstream; split_mla_context does not build the merged LSE")
 
-        def collective(op, *args) -> Node:
-            issued = graph.call_function(op, args)
-            return graph.call_function(c10d.wait_tensor.default, (issued,))
-
         existing = set(graph.nodes)
         with graph.inserting_before(node):
-            gathered = collective(c10d.all_gather_into_tensor.default, q, dcp, DCP_GROUP_NAME)
-            # [dcp*B, h, W] stacked by member -> [B, dcp*h, W]: member k's heads at k*h.
-            by_member = graph.call_function(aten.view.default, (gathered, [dcp, -1, heads, width]))
-            q_all = graph.call_function(aten.permute.default, (by_member, [1, 0, 2, 3]))
-            q_all = graph.call_function(aten.reshape.default, (q_all, [-1, dcp * heads, width]))
+            q_all = _gather_heads(graph, q, dcp, heads, width)
             local = graph.call_function(node.target, (q_all, kv_cache, block_table, local_lengths, scale, value_dim))
-            o_part = graph.call_function(operator.getitem, (local, 0))
-            lse_part = graph.call_function(operator.getitem, (local, 1))
-            if self.config.merge == "all-to-all":
-                packed = graph.call_function(k3.dcp_pack.default, (o_part, lse_part, dcp))
-                chunks = [1] * dcp  # one member per chunk of dim 0
-                received = collective(c10d.all_to_all_single.default, packed, chunks, chunks, DCP_GROUP_NAME)
-                out = graph.call_function(k3.dcp_merge.default, (received, q_val.dtype))
-            else:
-                lse_all = collective(c10d.all_gather_into_tensor.default, lse_part, dcp, DCP_GROUP_NAME)
-                term = graph.call_function(k3.dcp_rescale.default, (o_part, lse_part, lse_all, dcp))
-                mine = collective(c10d.reduce_scatter_tensor.default, term, "sum", dcp, DCP_GROUP_NAME)
-                mine = graph.call_function(aten.permute.default, (mine, [1, 0, 2]))
-                out = graph.call_function(aten._to_copy.default, (mine,), {"dtype": q_val.dtype})
+            out = self._merge(graph, local, dcp, q_val.dtype)
         for new in graph.nodes:
             if new not in existing:
                 new.meta["nn_module_stack"] = _stack(node)
@@ -206,21 +202,67 @@ class SplitMLAContext(GraphPass):
         )
         return Rewrite(node.name, detail, stats)
 
-    def _rewrite_prefill(self, gm: GraphModule, node: Node) -> Rewrite:
-        q, kv_cache, kv_b_weight, cu_seqlens, _block_table, seq_lens, scale = node.args
-        writes = [u for u in kv_cache.users if u.target is k3.mla_cache_write.default]
-        if len(writes) != 1:
-            raise PassError(f"{node.name}: expected one k3.mla_cache_write of {kv_cache.name}, found {len(writes)}")
-        kv = writes[0].args[1]
-        with gm.graph.inserting_before(node):
-            fresh = gm.graph.call_function(
-                k3.mla_prefill_new_tokens.default,
-                (q, kv, kv_b_weight, cu_seqlens, seq_lens, scale, kv_cache.meta["val"].dtype))
-        fresh.meta["nn_module_stack"] = _stack(node)
-        node.replace_all_uses_with(fresh)
-        gm.graph.erase_node(node)
-        detail = f"{_module(node)}: prefill attends to the step's own latents ({kv.name}), not the split cache"
-        return Rewrite(node.name, detail, {"cache_reads_removed": 1})
+    def _merge(self, graph, local: Node, dcp: int, dtype: torch.dtype) -> Node:
+        """The members' partial (o, lse) of ``local`` merged into this rank's heads."""
+        o_part = graph.call_function(operator.getitem, (local, 0))
+        lse_part = graph.call_function(operator.getitem, (local, 1))
+        if self.config.merge == "all-to-all":
+            packed = graph.call_function(k3.dcp_pack.default, (o_part, lse_part, dcp))
+            chunks = [1] * dcp  # one member per chunk of dim 0
+            received = _collective(graph, c10d.all_to_all_single.default, packed, chunks, chunks, DCP_GROUP_NAME)
+            return graph.call_function(k3.dcp_merge.default, (received, dtype))
+        lse_all = _collective(graph, c10d.all_gather_into_tensor.default, lse_part, dcp, DCP_GROUP_NAME)
+        term = graph.call_function(k3.dcp_rescale.default, (o_part, lse_part, lse_all, dcp))
+        mine = _collective(graph, c10d.reduce_scatter_tensor.default, term, "sum", dcp, DCP_GROUP_NAME)
+        mine = graph.call_function(aten.permute.default, (mine, [1, 0, 2]))
+        return graph.call_function(aten._to_copy.default, (mine,), {"dtype": dtype})
+
+    def _rewrite_prefill(self, gm: GraphModule, node: Node, offset: Node, dcp: int, interleave: int) -> Rewrite:
+        """The naive-form prefill becomes the absorbed form over this rank's positions:
+        q_nope W_UK ++ q_pe, heads gathered, ``k3.mla_prefill_partial`` over the rank's
+        cache (this step's tokens are written to it first), the merge, then W_UV."""
+        graph = gm.graph
+        q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale = node.args
+        T, heads, dqk = q.meta["val"].shape
+        L = kv_b_weight.meta["val"].shape[1]
+        rope = cache_value_width(kv_cache.meta["val"]) - L
+        nope = dqk - rope
+        dv = kv_b_weight.meta["val"].shape[0] // heads - nope
+        existing = set(graph.nodes)
+        with graph.inserting_before(node):
+            w = graph.call_function(aten.view.default, (kv_b_weight, [heads, nope + dv, L]))
+            w_uk = graph.call_function(aten.slice.Tensor, (w, 1, 0, nope))
+            w_uv = graph.call_function(aten.slice.Tensor, (w, 1, nope, nope + dv))
+            q_nope = graph.call_function(aten.slice.Tensor, (q, 2, 0, nope))
+            q_pe = graph.call_function(aten.slice.Tensor, (q, 2, nope, dqk))
+            q_latent = graph.call_function(aten.einsum.default, ("thd,hdl->thl", [q_nope, w_uk]))
+            q_abs = graph.call_function(aten.cat.default, ([q_latent, q_pe], 2))
+            q_all = _gather_heads(graph, q_abs, dcp, heads, L + rope)
+            local = graph.call_function(k3.mla_prefill_partial.default, (
+                q_all, kv_cache, block_table, cu_seqlens, seq_lens, offset, dcp, interleave, scale, L))
+            merged = self._merge(graph, local, dcp, q.meta["val"].dtype)
+            out = graph.call_function(aten.einsum.default, ("thl,hdl->thd", [merged, w_uv]))
+        for new in graph.nodes:
+            if new not in existing:
+                new.meta["nn_module_stack"] = _stack(node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        detail = (f"{_module(node)}: prefill in the absorbed form, {heads} heads gathered to {dcp * heads}, causal "
+                  f"attention over this rank's positions (history included), LSE merge by {self.config.merge}")
+        return Rewrite(node.name, detail, {"collectives_added": 2 if self.config.merge == "all-to-all" else 3})
+
+
+def _collective(graph, op, *args) -> Node:
+    issued = graph.call_function(op, args)
+    return graph.call_function(c10d.wait_tensor.default, (issued,))
+
+
+def _gather_heads(graph, q: Node, dcp: int, heads: int, width: int) -> Node:
+    """q [T, heads, width] of every DCP member -> [T, dcp*heads, width], member k's heads at k*heads."""
+    gathered = _collective(graph, c10d.all_gather_into_tensor.default, q, dcp, DCP_GROUP_NAME)
+    by_member = graph.call_function(aten.view.default, (gathered, [dcp, -1, heads, width]))
+    q_all = graph.call_function(aten.permute.default, (by_member, [1, 0, 2, 3]))
+    return graph.call_function(aten.reshape.default, (q_all, [-1, dcp * heads, width]))
 
 
 def _module(node: Node) -> str:

@@ -102,6 +102,10 @@ class RuntimeOptions:
     #: seconds a rank waits for the others to join the process group, and for any
     #: collective, before it stops with an error (a rank that died leaves the rest waiting)
     rank_timeout_s: float = 300.0
+    #: tokens of a prompt per prefill step: a longer prompt is prefilled in chunks, each
+    #: against the cache the earlier ones wrote (prefill memory bounded by the chunk, and
+    #: under DCP the gathered queries); None: whole prompts in one step
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank_timeout_s, (int, float)) or not 0 < self.rank_timeout_s < float("inf"):
@@ -111,6 +115,9 @@ class RuntimeOptions:
             value = getattr(self, name)
             if not is_whole_number(value) or value < 1:
                 raise ValueError(f"RuntimeOptions.{name}: a whole number >= 1 needed, got {value!r}")
+        if self.prefill_chunk is not None and (not is_whole_number(self.prefill_chunk) or self.prefill_chunk < 1):
+            raise ValueError(f"RuntimeOptions.prefill_chunk: a whole number >= 1 or None needed, "
+                             f"got {self.prefill_chunk!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"RuntimeOptions.kernels: unknown choice {self.kernels!r}; "
                              f"choose one of {', '.join(KERNELS)}")
@@ -278,6 +285,10 @@ class Runtime:
             module.load_state_dict({k: v for k, v in self.weights.items() if k in program.state_dict}, assign=True)
             self.graph_modules[phase] = module
             self.modules[phase] = lower(module, phase, self.lowering)
+        #: a context-parallel prefill that attends to the step's own tokens only (artifacts of
+        #: the sixteenth session and before): sequences with history cannot take several tokens
+        self.new_sequences_only = "prefill" in self.graph_modules and any(
+            n.target is torch.ops.k3.mla_prefill_new_tokens.default for n in self.graph_modules["prefill"].graph.nodes)
         use_graphs = options.cuda_graphs if options.cuda_graphs is not None else device.type == "cuda"
         self.graphs = DecodeGraphs(self) if use_graphs else None
 
@@ -300,10 +311,11 @@ class Runtime:
         for s, n in zip(seq_ids, counts):
             if self.table.sequences[s].length + n > self.options.max_context:
                 raise RequestError(f"sequence {s}: context beyond capacity ({self.options.max_context} tokens)")
-            if self.layout.dcp > 1 and n > 1 and self.table.sequences[s].length > 0:
+            if self.new_sequences_only and n > 1 and self.table.sequences[s].length > 0:
                 raise RequestError(
-                    f"sequence {s}: {n} new tokens after {self.table.sequences[s].length}; with decode context "
-                    "parallelism, prefill starts new sequences only and existing ones decode one token per step"
+                    f"sequence {s}: {n} new tokens after {self.table.sequences[s].length}; this artifact's "
+                    "context-parallel prefill starts new sequences only (compiled before continuation was "
+                    "supported: compile it again)"
                 )
         self.table.reserve(seq_ids, counts)
         decode = all(n == 1 for n in counts)
@@ -332,7 +344,8 @@ class Runtime:
             raise failed from e
 
     def prefill(self, prompts: list[list[int]]) -> tuple[list[int], Tensor]:
-        """Start one sequence per prompt; returns their ids and last-token logits."""
+        """Start one sequence per prompt; returns their ids and last-token logits. Prompts
+        longer than ``RuntimeOptions.prefill_chunk`` are prefilled chunk by chunk."""
         self.table.check_new(prompts)
         too_long = [i for i, p in enumerate(prompts) if len(p) > self.options.max_context]
         if too_long:
@@ -340,12 +353,21 @@ class Runtime:
         ids = [self.table.new_sequence() for _ in prompts]
         for s in ids:
             zero_state_slot(self.caches, self.table.sequences[s].slot)
+        longest = max(len(p) for p in prompts)
+        chunk = self.options.prefill_chunk or longest
+        last: list[Tensor | None] = [None] * len(prompts)
         try:
-            return ids, self.step(ids, prompts)
+            for start in range(0, longest, chunk):
+                active = [i for i, p in enumerate(prompts) if len(p) > start]
+                logits = self.step([ids[i] for i in active], [prompts[i][start:start + chunk] for i in active])
+                for row, i in enumerate(active):
+                    if len(prompts[i]) <= start + chunk:
+                        last[i] = logits[row]
         except RequestError:
             for s in ids:
                 self.table.release(s)
             raise
+        return ids, torch.stack(last)
 
     def decode(self, seq_ids: list[int], tokens: list[int]) -> Tensor:
         return self.step(seq_ids, [[t] for t in tokens])

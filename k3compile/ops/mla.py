@@ -21,6 +21,12 @@ attention sees.
                          the latent output and the log-sum-exp of the scaled scores
                          (-inf and a zero output for an empty context), so that partial
                          results over disjoint positions can be merged exactly.
+``k3::mla_prefill_partial``  the absorbed form for many new tokens per sequence over ONE
+                         decode-context-parallel member's cached positions (this step's
+                         included, written first): causal by global position, (o, lse) to
+                         be merged with the other members' like ``mla_decode``'s; what
+                         ``split_mla_context`` makes of ``mla_prefill``, so that a sequence
+                         with history can continue under DCP.
 ``k3::mla_decode_split_kv``  ``mla_decode`` with the contract of the fast split-KV kernel:
                          the head count is a multiple of 16. The graph names the kernel it
                          needs; its default implementation is the reference, and the
@@ -202,6 +208,64 @@ def mla_decode(
 
 
 mla_decode.register_fake(_mla_decode_fake)
+
+def mla_prefill_partial_reference(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, position_offset: Tensor,
+    dcp: int, interleave: int, scale: float, value_dim: int,
+) -> tuple[Tensor, Tensor]:
+    """The torch reference of ``k3::mla_prefill_partial`` (fp32 math on any device).
+
+    q [T, H, W]: absorbed queries of the packed new tokens (sequence i's are the last
+    ``cu_seqlens[i+1] - cu_seqlens[i]`` of its ``seq_lens[i]`` global positions). This
+    member's cache holds, per sequence, its local positions m = 0, 1, ... in position order
+    (``k3compile/context_parallel.py``): global position ``(m // interleave) * dcp *
+    interleave + position_offset + m % interleave``. A new token at global position p
+    attends to the cached positions <= p. Returns (o [T, H, value_dim] in q.dtype, lse
+    [T, H] fp32; -inf and a zero output where this member holds none of them)."""
+    from k3compile.context_parallel import local_lengths
+
+    T, H, _ = q.shape
+    block_size = kv_cache.shape[1]
+    o = q.new_zeros(T, H, value_dim)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    cu = cu_seqlens.tolist()
+    lengths = seq_lens.tolist()
+    local = local_lengths(seq_lens, position_offset, dcp, interleave).tolist()
+    offset = int(position_offset)
+    for i, (length, n_local) in enumerate(zip(lengths, local)):
+        start, stop = cu[i], cu[i + 1]
+        if stop == start or n_local == 0:
+            continue
+        m = torch.arange(n_local, device=q.device)
+        blocks = block_table[i].long()[m // block_size]
+        ctx = cache_rows_as_values(kv_cache[blocks, m % block_size], value_dim)  # [n_local, W]
+        pos = (m // interleave) * (dcp * interleave) + offset + m % interleave
+        q_pos = torch.arange(length - (stop - start), length, device=q.device)
+        scores = torch.einsum("thw,cw->thc", q[start:stop].float(), ctx) * scale
+        scores = scores.masked_fill((pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
+        part = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - part.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min)).nan_to_num(0.0)
+        o[start:stop] = torch.einsum("thc,cl->thl", probs, ctx[:, :value_dim]).to(q.dtype)
+        lse[start:stop] = part
+    return o, lse
+
+
+@torch.library.custom_op("k3::mla_prefill_partial", mutates_args=())
+def mla_prefill_partial(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor, position_offset: Tensor,
+    dcp: int, interleave: int, scale: float, value_dim: int,
+) -> tuple[Tensor, Tensor]:
+    """Absorbed causal prefill over one DCP member's positions (see
+    :func:`mla_prefill_partial_reference`) -> (o [T, H, value_dim], lse [T, H])."""
+    return mla_prefill_partial_reference(q, kv_cache, block_table, cu_seqlens, seq_lens, position_offset, dcp,
+                                         interleave, scale, value_dim)
+
+
+@mla_prefill_partial.register_fake
+def _(q, kv_cache, block_table, cu_seqlens, seq_lens, position_offset, dcp, interleave, scale, value_dim):
+    T, H, _ = q.shape
+    return q.new_empty(T, H, value_dim), q.new_empty(T, H, dtype=torch.float32)
+
 
 #: The head multiple ``k3::mla_decode_split_kv`` requires: the split-KV kernel's smallest
 #: head tile. Defined here, with the op's contract; the runtime's kernel module reads it

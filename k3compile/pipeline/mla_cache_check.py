@@ -25,7 +25,8 @@ from k3compile.pipeline.interface import PassError
 k3 = torch.ops.k3
 COND = torch.ops.higher_order.cond
 WRITER = k3.mla_cache_write.default
-READERS = frozenset({k3.mla_decode.default, k3.mla_decode_split_kv.default, k3.mla_prefill.default})
+READERS = frozenset({k3.mla_decode.default, k3.mla_decode_split_kv.default, k3.mla_prefill.default,
+                     k3.mla_prefill_partial.default})
 
 
 def _is_fp8(node: Node) -> bool:

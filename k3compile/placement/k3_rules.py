@@ -27,6 +27,7 @@ from k3compile.ops.mla import (
     mla_decode_split_kv,
     mla_prefill,
     mla_prefill_new_tokens,
+    mla_prefill_partial,
     narrow_heads,
     pad_heads,
 )
@@ -239,6 +240,15 @@ def _mla_decode_cost(call: CostCall) -> Cost:
     return Cost(flops, call.io_bytes() + B * ctx * _cache_row_bytes(call))
 
 
+def _mla_prefill_partial_cost(call: CostCall) -> Cost:
+    """Per new token and head: W-wide scores and value_dim-wide values over the member's
+    share of the context (bounded by the block table), and the softmax."""
+    T, H, W = call.shape("q")
+    ctx = call.size("block_table", 1) * call.size("kv_cache", 1)
+    flops = T * H * ctx * (2 * W + 2 * int(call.arg("value_dim")) + 5)
+    return Cost(flops, call.io_bytes() + call.numel("seq_lens") * ctx * _cache_row_bytes(call))
+
+
 _MLA_DECODE_RULE = split(
     {"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",), cost=_mla_decode_cost,
     context_split=("kv_cache", "block_table"),
@@ -253,6 +263,8 @@ register_op_rules({
     ),
     mla_prefill: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", caches=("kv_cache",), cost=_mla_prefill_cost),
     mla_prefill_new_tokens: split({"q": 1, "kv_b_weight": 0}, out=1, what="heads", cost=_mla_prefill_new_tokens_cost),
+    mla_prefill_partial: split({"q": 1}, out=(1, 1), what="heads", caches=("kv_cache",),
+                               cost=_mla_prefill_partial_cost, context_split=("kv_cache", "block_table")),
     mla_decode: _MLA_DECODE_RULE,
     mla_decode_split_kv: _MLA_DECODE_RULE,
     pad_heads: _HEAD_BLOCK_RULE,
