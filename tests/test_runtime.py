@@ -48,6 +48,23 @@ def test_artifact_reproduces_reference_at_tp1(artifact_tp1, reference):
     assert rt.generate(PROMPTS, NEW_TOKENS) == ref_tokens
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_chunked_prefill_reproduces_the_reference(artifact_tp1, reference, chunk):
+    """prefill_chunk: the 10-, 1- and 3-token prompts in chunks of 1, 3 or 4 tokens, each
+    against the cache the earlier chunks wrote (chunks of 1: every step a decode step),
+    give the reference's last-token logits and greedy tokens."""
+    ref_logits, ref_tokens = reference
+    rt = runtime.load(artifact_tp1, rank=0, world_size=1, options=replace(OPTIONS, prefill_chunk=chunk))
+    ids, logits = rt.prefill(PROMPTS)
+    torch.testing.assert_close(logits.cpu(), ref_logits, rtol=1e-4, atol=1e-4 * ref_logits.abs().max().item())
+    assert [rt.table.sequences[s].length for s in ids] == [len(p) for p in PROMPTS]
+    for s in ids:
+        rt.release(s)
+    assert rt.generate(PROMPTS, NEW_TOKENS) == ref_tokens
+    with pytest.raises(ValueError, match="prefill_chunk: a whole number >= 1 or None needed, got 0"):
+        RuntimeOptions(prefill_chunk=0)
+
+
 def _rank_main(rank: int, world: int, out: Path):
     torch.set_num_threads(1)
     rt = runtime.load(out, rank=rank, world_size=world, options=replace(OPTIONS, device="cpu"))  # gloo ranks
