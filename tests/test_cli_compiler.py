@@ -216,6 +216,15 @@ def test_run_subprocess_matches_reference(compiled, reference_tokens):
                      proc.stdout)
 
 
+def test_run_prefill_in_chunks_matches_reference(compiled, reference_tokens):
+    """--prefill-chunk 2: the 3- and 5-token prompts prefilled in chunks give the
+    reference's greedy tokens too."""
+    out, _ = compiled
+    result = invoke("run", out, *PROMPT_ARGS, "--prefill-chunk", "2", "--max-context", "64", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert new_tokens(result.stdout) == reference_tokens
+
+
 def test_run_seeded_sampling_is_reproducible(compiled, reference_tokens, tmp_path):
     out, _ = compiled
     prompts = tmp_path / "prompts.txt"
@@ -239,8 +248,9 @@ def test_run_seeded_sampling_is_reproducible(compiled, reference_tokens, tmp_pat
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--max-context", "8", "--max-new-tokens", "2"], "prompt 0 has 8 tokens: with --max-new-tokens 2 it needs a context of 9"),
         (["--device", "tpu"], "--device: unknown device 'tpu'"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     ],
-    ids=["out-of-vocab", "temperature", "top-p", "context", "device"],
+    ids=["out-of-vocab", "temperature", "top-p", "context", "device", "prefill-chunk"],
 )
 def test_run_bad_requests(compiled, args, message):
     out, _ = compiled

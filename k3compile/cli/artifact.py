@@ -18,6 +18,7 @@ from k3compile.cli.app import USAGE_ERROR, UserError, app, console, err_console,
 from k3compile.cli.options import (
     KV_CACHE_DTYPE_HELP,
     InductorOption,
+    PrefillChunkOption,
     PromptFileOption,
     PromptOption,
     RankTimeoutOption,
@@ -411,6 +412,7 @@ def run_command(
                      "was compiled with (a check). Example: --kv-cache-dtype fp8", show_default=False),
     ] = None,
     inductor: InductorOption = None,
+    prefill_chunk: PrefillChunkOption = None,
     rank_timeout: RankTimeoutOption = 300.0,
     verify_weights: VerifyWeightsOption = False,
     check_finite: Annotated[
@@ -421,7 +423,7 @@ def run_command(
 ) -> None:
     """Load a compiled artifact with the runtime and generate tokens.
 
-    Reads this rank's weights from the checkpoint the artifact was compiled from, prefills all prompts in one step, then decodes them together, one token per step. Prompts are token ids (there is no tokenizer). Prints each prompt's new tokens and the timing: load, prefill, and decode per token (the first steps include one-time warm-up).
+    Reads this rank's weights from the checkpoint the artifact was compiled from, prefills all prompts in one step (or in chunks of --prefill-chunk tokens), then decodes them together, one token per step. Prompts are token ids (there is no tokenizer). Prints each prompt's new tokens and the timing: load, prefill, and decode per token (the first steps include one-time warm-up).
 
     An artifact compiled with --tp N runs on N processes, started by torchrun: torchrun --nproc-per-node N -m k3compile run OUT (only rank 0 prints).
 
@@ -437,7 +439,7 @@ def run_command(
     launch = Launch.from_env()
     try:
         launch.check()
-        at_least_one(max_new_tokens=max_new_tokens, max_context=max_context)
+        at_least_one(max_new_tokens=max_new_tokens, max_context=max_context, prefill_chunk=prefill_chunk)
         try:
             sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         except ValueError as e:
@@ -457,7 +459,7 @@ def run_command(
             max_sequences=len(prompts), max_context=max_context, device=device,
             cuda_graphs=None if cuda_graphs else False, kernels=kernels, kv_cache_dtype=kv_cache_dtype,
             lowering=lowering_choice(inductor), check_finite=check_finite, rank_timeout_s=rank_timeout,
-            verify_weights=verify_weights,
+            verify_weights=verify_weights, prefill_chunk=prefill_chunk,
         )
         rt, load_s = load_runtime(out, options, launch)
         result = rt.generate_timed(prompts, max_new_tokens, sampling)

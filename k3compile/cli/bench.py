@@ -21,8 +21,8 @@ from k3compile.cli.artifact import (
     run_header,
     runtime_errors,
 )
-from k3compile.cli.options import (KV_CACHE_DTYPE_HELP, InductorOption, RankTimeoutOption, VerifyWeightsOption,
-                                   at_least_one, check_rank_timeout, choice, lowering_choice)
+from k3compile.cli.options import (KV_CACHE_DTYPE_HELP, InductorOption, PrefillChunkOption, RankTimeoutOption,
+                                   VerifyWeightsOption, at_least_one, check_rank_timeout, choice, lowering_choice)
 
 
 def parse_counts(text: str, option: str, allow_empty: bool = False) -> tuple[int, ...]:
@@ -66,12 +66,13 @@ def bench_command(
     kv_cache_dtype: Annotated[
         Optional[str], typer.Option(help=KV_CACHE_DTYPE_HELP + " A check against the artifact's.", show_default=False)] = None,
     inductor: InductorOption = None,
+    prefill_chunk: PrefillChunkOption = None,
     rank_timeout: RankTimeoutOption = 300.0,
     verify_weights: VerifyWeightsOption = False,
 ) -> None:
     """Measure an artifact: decode time per step and time to first token, against the floor.
 
-    For each --context and --batch: that many sequences start with that many cached tokens of random history (nothing is prefilled), then --warmup and --steps decode steps run through the runtime's public decode call. Reported per run: the wall time of one decode call (host work, input copies, CUDA graph replay, logits back), of one step of greedy decoding as generate runs it (tokens fed on the device), the device time of one graph replay (GPU), tokens per second of greedy decoding, and the floor: the bytes one step must move on this rank (weights, the routed experts the batch picks, MLA history, KDA state) over the copy bandwidth measured in the same run. Then the time to first token of one prompt of each --prompt-len. With --profile, one step's time by layer type and by kernel. With --peers, the reference model's decode steps (eager, and under torch.compile) at the same batches and contexts, and how many times slower they are.
+    For each --context and --batch: that many sequences start with that many cached tokens of random history (nothing is prefilled), then --warmup and --steps decode steps run through the runtime's public decode call. Reported per run: the wall time of one decode call (host work, input copies, CUDA graph replay, logits back), of one step of greedy decoding as generate runs it (tokens fed on the device), the device time of one graph replay (GPU), tokens per second of greedy decoding, and the floor: the bytes one step must move on this rank (weights, the routed experts the batch picks, MLA history, KDA state) over the copy bandwidth measured in the same run. Then the time to first token of one prompt of each --prompt-len (in chunks of --prefill-chunk tokens, if given). With --profile, one step's time by layer type and by kernel. With --peers, the reference model's decode steps (eager, and under torch.compile) at the same batches and contexts, and how many times slower they are.
 
     An artifact compiled with --tp N runs on N processes: torchrun --nproc-per-node N -m k3compile bench OUT (each rank measures; rank 0 prints and writes --json).
 
@@ -85,7 +86,7 @@ def bench_command(
     launch = Launch.from_env()
     try:
         launch.check()
-        at_least_one(steps=steps)
+        at_least_one(steps=steps, prefill_chunk=prefill_chunk)
         if warmup < 0:
             raise UserError(f"--warmup: at least 0, got {warmup}")
         peer_names = tuple(p.strip() for p in peers.split(",") if p.strip())
@@ -103,7 +104,8 @@ def bench_command(
         runtime_options = RuntimeOptions(max_sequences=sequences, max_context=tokens, device=device,
                                          cuda_graphs=None if cuda_graphs else False, kernels=kernels,
                                          kv_cache_dtype=kv_cache_dtype, lowering=lowering_choice(inductor),
-                                         rank_timeout_s=rank_timeout, verify_weights=verify_weights)
+                                         rank_timeout_s=rank_timeout, verify_weights=verify_weights,
+                                         prefill_chunk=prefill_chunk)
         rt, load_s = load_runtime(out, runtime_options, launch)
         header = run_header(out, info, rt.device, rt.graphs is not None, rt.triton_kernels and rt.device.type == "cpu",
                             rt.lowering)

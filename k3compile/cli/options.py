@@ -174,6 +174,14 @@ VerifyWeightsOption = Annotated[
 ]
 
 
+PrefillChunkOption = Annotated[
+    Optional[int],
+    typer.Option(help="Prefill a prompt in chunks of this many tokens, each against the cache the earlier chunks "
+                 "wrote: prefill memory stays bounded (default: a whole prompt in one step). Example: "
+                 "--prefill-chunk 4096", show_default=False),
+]
+
+
 def check_rank_timeout(seconds: float) -> None:
     """``--rank-timeout``: a positive, finite number of seconds."""
     if not 0 < seconds < float("inf"):
