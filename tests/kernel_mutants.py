@@ -61,6 +61,7 @@ CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_ker
 MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
 KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation")
+PREFILL_PARTIAL = Selection("tests/test_kernel_mla_decode.py", "prefill_partial")
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,10 @@ MUTANTS = [
     Mutant("kda_prefill_start_state_not_decayed", "runtime/kernels/kda_prefill.py",
            "S = GL[:, None] * S + tl.dot(KEt, U", "S = S + tl.dot(KEt, U", KDA_PREFILL,
            "KDA prefill: the state carried to the next chunk skips the chunk's decay"),
+    Mutant("prefill_partial_global_limits", "runtime/kernels/mla_attention.py",
+           "row_end = _local_length(row_end, cycle, interleave, tl.load(position_offset_ptr).to(tl.int32))",
+           "row_end = row_end  # mutant", PREFILL_PARTIAL,
+           "MLA prefill over a DCP member's cache: causal limits in global positions, not the member's rows"),
 ]
 
 

@@ -312,6 +312,40 @@ def test_prefill_equals_decode_at_every_position(H):
     check(got, want)
 
 
+@pytest.mark.parametrize(("dcp", "interleave"), [(1, 1), (2, 1), (2, 2), (4, 1)])
+def test_prefill_partial_over_a_members_positions_matches_the_reference(dcp, interleave):
+    """``k3::mla_prefill_partial``'s kernel (the prefill kernel with the context split):
+    each DCP member's cache holds only its positions (a sequence with history, a fresh
+    prompt, one with fewer positions than members); the rows' causal limits map to the
+    member's local rows. Against the op's torch reference on the same member's cache,
+    for every member."""
+    from k3compile.context_parallel import ContextLayout
+    from k3compile.ops.mla import mla_prefill_partial_reference
+
+    H, W, L, bs = 12, 72, 64, 8
+    ctx, new = [13, 6, 2], [5, 6, 2]  # positions after the write, new tokens (the last of them)
+    gen = torch.Generator().manual_seed(dcp * 10 + interleave)
+    q = torch.randn(sum(new), H, W, generator=gen).bfloat16()
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(ctx, dtype=torch.int32)
+    for member in range(dcp):
+        layout = ContextLayout(dcp, interleave, member)
+        local = [layout.local_length(c) for c in ctx]
+        blocks = [-(-n // bs) for n in local]
+        cache = (torch.randn(1 + sum(blocks), bs, W, generator=gen) * 0.5).bfloat16()
+        table = torch.zeros(len(ctx), max([1, *blocks]), dtype=torch.int32)
+        first = 1
+        for i, nb in enumerate(blocks):
+            table[i, :nb] = torch.arange(first, first + nb)
+            first += nb
+        offset = torch.tensor(layout.position_offset)
+        args = [t.to(DEVICE) for t in (q, cache, table, cu, seq_lens, offset)]
+        o, lse = ak.mla_prefill_partial(*args, dcp, interleave, 0.3, L)
+        want_o, want_lse = mla_prefill_partial_reference(q, cache, table, cu, seq_lens, offset, dcp, interleave,
+                                                         0.3, L)
+        check((o, lse), (want_o, want_lse))
+
+
 def test_prefill_rejects_bad_cu_seqlens():
     q, cache, table, seq_lens, scale = case(3, 64, 8, [4, 4], block_size=8)
     with pytest.raises(ValueError, match="cu_seqlens must be int32"):

@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.mla_cache_fp8 import is_fp8_cache, is_fp8_dtype
+from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 from k3compile.runtime.kernels.mla_common import (
@@ -42,17 +43,25 @@ from k3compile.runtime.kernels.mla_common import (
 )
 
 
+@triton.jit
+def _local_length(length, cycle, interleave, offset):
+    """How many of a sequence's first ``length`` positions a DCP member stores (its first
+    position in each cycle of ``cycle`` is ``offset``): ``ContextLayout.local_length``."""
+    rest = tl.minimum(tl.maximum(length % cycle - offset, 0), interleave)
+    return (length // cycle) * interleave + rest
+
+
 @counted
 @triton.jit
 def _mla_attention_kernel(
-    q_ptr, kv_ptr, cu_seqlens_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    scale_log2, num_heads,
+    q_ptr, kv_ptr, cu_seqlens_ptr, block_table_ptr, seq_lens_ptr, position_offset_ptr, o_ptr, lse_ptr,
+    scale_log2, num_heads, cycle, interleave,
     stride_qt, stride_qh, stride_kvb, stride_kvt, stride_btb,
     stride_ot, stride_oh, stride_lt, stride_lh,
     block_size,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr, KV_FP8: tl.constexpr, CONTEXT_SPLIT: tl.constexpr,
 ):
     """Program (sequence n, row tile): BLOCK_M rows (token, head) of n's new tokens
     against every position they see. Row (t, h) sees context positions up to t's own
@@ -65,7 +74,9 @@ def _mla_attention_kernel(
     only under TRITON_INTERPRET, whose tl.dot multiplies bf16 bit patterns (triton#11584).
     KV_FP8: an FP8 cache (k3compile/mla_cache_fp8.py): codes converted to the model dtype
     in registers; each row's latent and k_pe scales multiply its score terms and its
-    probability (the value's factor), never the tiles.
+    probability (the value's factor), never the tiles. CONTEXT_SPLIT: the cache holds one
+    DCP member's positions (``k3::mla_prefill_partial``): a row sees the local rows whose
+    global positions are up to its own, the first ``_local_length(its position + 1)``.
     o/lse: the final [tokens, H, L] / [tokens, H] outputs."""
     n = tl.program_id(0)
     if DECODE:
@@ -81,6 +92,8 @@ def _mla_attention_kernel(
     tok = rows // num_heads
     head = rows % num_heads
     row_end = tl.where(row_ok, ctx - n_new + tok + 1, 0)  # exclusive causal limit of each row
+    if CONTEXT_SPLIT:  # ... in this member's local rows
+        row_end = _local_length(row_end, cycle, interleave, tl.load(position_offset_ptr).to(tl.int32))
     tile_end = tl.max(row_end, axis=0)  # a tile with no rows gets an empty range
 
     offs_l = tl.arange(0, BLOCK_L)
@@ -168,13 +181,14 @@ def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int
 
 
 def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype: torch.dtype, block_n: int,
-                          kv_fp8: bool, interpreted: bool = _INTERPRETED) -> dict[str, object]:
+                          kv_fp8: bool, interpreted: bool = _INTERPRETED, context_split: bool = False
+                          ) -> dict[str, object]:
     matrix_units = kernel is not GENERIC
     return {
         **_widths(qk_dim, value_dim),
         "BLOCK_M": HEAD_TILE if matrix_units else 1, "BLOCK_N": block_n,
         "DECODE": kernel.phase == "decode", "USE_DOT": matrix_units,
-        **_dot_constexprs(dtype, interpreted), "KV_FP8": kv_fp8,
+        **_dot_constexprs(dtype, interpreted), "KV_FP8": kv_fp8, "CONTEXT_SPLIT": context_split,
     }
 
 
@@ -185,8 +199,9 @@ def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype:
 
 def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor | None, block_table: Tensor,
             seq_lens: Tensor, scale: float, value_dim: int, max_new_tokens: int,
-            block_n: int | None) -> tuple[Tensor, Tensor]:
-    """Run the generic or prefill kernel on rows q [tokens, H, W]; decode has one token per sequence."""
+            block_n: int | None, split: tuple[Tensor, int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """Run the generic or prefill kernel on rows q [tokens, H, W]; decode has one token per
+    sequence. ``split``: (position offset, dcp, interleave) of a DCP member's cache."""
     _check_inputs(kernel, q, kv_cache, block_table, seq_lens, value_dim)
     q = q if q.stride(-1) == 1 else q.contiguous()
     T, H, W = q.shape
@@ -195,11 +210,13 @@ def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor |
     if T == 0 or max_new_tokens == 0:
         return o, lse
     block_n = block_n or default_block_n(kernel is not GENERIC, _backend(), q.dtype)
-    c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n, is_fp8_cache(kv_cache))
+    c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n, is_fp8_cache(kv_cache),
+                              context_split=split is not None)
+    offset, dcp, interleave = split if split is not None else (seq_lens, 1, 1)  # (the offset unread then)
     grid = (seq_lens.shape[0], triton.cdiv(max_new_tokens * H, c["BLOCK_M"]))
     _mla_attention_kernel[grid](
-        q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, o, lse,
-        scale * LOG2E, H,
+        q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, offset, o, lse,
+        scale * LOG2E, H, dcp * interleave, interleave,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         *o.stride()[:2], *lse.stride(),
         kv_cache.shape[1],
@@ -231,6 +248,25 @@ def mla_prefill_absorbed(q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor, block_
     return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, max_new_tokens, block_n)
 
 
+def mla_prefill_partial(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
+                        position_offset: Tensor, dcp: int, interleave: int, scale: float,
+                        value_dim: int) -> tuple[Tensor, Tensor]:
+    """``k3::mla_prefill_partial``: the prefill kernel over one DCP member's cache (rows
+    mapped to global positions for the causal limit), or the op's torch reference for a
+    shape it does not take; ``max_new_tokens`` read from cu_seqlens (a device sync;
+    prefill runs eagerly)."""
+    if not PREFILL.accepts(q.shape[1], q.dtype, q.shape[2], value_dim):
+        return mla_ops.mla_prefill_partial_reference(q, kv_cache, block_table, cu_seqlens, seq_lens, position_offset,
+                                                     dcp, interleave, scale, value_dim)
+    N = seq_lens.shape[0]
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (N + 1,):
+        raise ValueError(f"mla_prefill_partial: cu_seqlens must be int32 [{N + 1}], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    max_new_tokens = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
+    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, max_new_tokens, None,
+                   split=(position_offset.reshape(1), dcp, interleave))
+
+
 GENERIC = MLAKernel("mla_decode_generic", "decode", 1, _DTYPES, 576, 512, False, mla_decode_generic)
 PREFILL = MLAKernel("mla_prefill_absorbed", "prefill", 1, _DTYPES, 576, 512, False, mla_prefill_absorbed)
 
@@ -243,11 +279,12 @@ def attention_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512
     kv_dtype = kv_dtype or dtype
     fp8 = is_fp8_dtype(kv_dtype)
     launches = []
-    for kernel in (GENERIC, PREFILL):
+    for kernel, split in ((GENERIC, False), (PREFILL, False), (PREFILL, True)):
         c = _attention_constexprs(kernel, qk_dim, value_dim, dtype,
-                                  default_block_n(kernel is not GENERIC, backend, dtype), fp8, interpreted=False)
+                                  default_block_n(kernel is not GENERIC, backend, dtype), fp8, interpreted=False,
+                                  context_split=split)
         ptrs = {"q_ptr": t, "kv_ptr": TRITON_DTYPES[kv_dtype], "cu_seqlens_ptr": "i32", "block_table_ptr": "i32",
-                "seq_lens_ptr": "i32", "o_ptr": t, "lse_ptr": "fp32"}
-        launches.append(_kernel_launch(kernel.name + ("_fp8" if fp8 else ""), _mla_attention_kernel, ptrs, c,
-                                       _NUM_WARPS))
+                "seq_lens_ptr": "i32", "position_offset_ptr": "i64" if split else "i32", "o_ptr": t, "lse_ptr": "fp32"}
+        name = kernel.name + ("_context_split" if split else "") + ("_fp8" if fp8 else "")
+        launches.append(_kernel_launch(name, _mla_attention_kernel, ptrs, c, _NUM_WARPS))
     return launches

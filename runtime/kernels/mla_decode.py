@@ -55,7 +55,7 @@ from torch import Tensor
 
 from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels.aot import KernelLaunch
-from k3compile.runtime.kernels.mla_attention import GENERIC, PREFILL, attention_aot_launches
+from k3compile.runtime.kernels.mla_attention import GENERIC, PREFILL, attention_aot_launches, mla_prefill_partial
 from k3compile.runtime.kernels.mla_common import MLAKernel
 from k3compile.runtime.kernels.mla_split_kv import (
     SPLIT_KV,
@@ -82,11 +82,13 @@ def mla_decode_op(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Te
 
 
 def register_kernels(device_type: str) -> None:
-    """Make :func:`mla_decode_op` and :func:`mla_decode_split_kv` the ``device_type``
-    implementations of ``k3::mla_decode`` and ``k3::mla_decode_split_kv`` (registering
-    again replaces the same functions)."""
+    """Make :func:`mla_decode_op`, :func:`mla_decode_split_kv` and the prefill kernel's
+    ``mla_prefill_partial`` the ``device_type`` implementations of ``k3::mla_decode``,
+    ``k3::mla_decode_split_kv`` and ``k3::mla_prefill_partial`` (registering again replaces
+    the same functions)."""
     mla_ops.mla_decode.register_kernel(device_type)(mla_decode_op)
     mla_ops.mla_decode_split_kv.register_kernel(device_type)(mla_decode_split_kv)
+    mla_ops.mla_prefill_partial.register_kernel(device_type)(mla_prefill_partial)
 
 
 def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
