@@ -7,7 +7,8 @@ in place in the given slots and nowhere else, a sequence continued from a state 
 call left, shapes the kernels do not take (the reference runs) and bad inputs (a clear
 error before any work). Tolerance: fp32 throughout, the chunked math of the reference in
 another order (products and sums over up to 64 tokens): 2e-5 of the largest value in
-fp32, one bf16 rounding of the output in bf16.
+fp32; for bf16 inputs 2^-8 (one bf16 rounding of the output, and on CUDA GPUs the tf32
+products: ``kda_prefill.dot_precision``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def test_ragged_batch_at_every_chunk_residue(dtype):
     assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_chunk_scan_kernel": 1}
     assert o.dtype == dtype and o.shape == o_ref.shape
     close(o, o_ref, dtype, "o")
-    close(state, state_ref, torch.float32, "state")
+    # a bf16 model's products run at the backend's fp32-operand precision (tf32 on CUDA GPUs)
+    close(state, state_ref, dtype, "state")
     assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])  # slots no sequence owns
 
 
@@ -106,16 +108,16 @@ def test_bad_inputs_are_refused_before_any_work():
 
 
 def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
-    return {(t, launch.name): launch.request(t) for t in aot.TARGETS for launch in kda_prefill.aot_requests()}
+    return {(t, launch.name): launch.request(t) for t in aot.TARGETS
+            for launch in kda_prefill.aot_requests("hip" if t.startswith("gfx") else "cuda")}
 
 
 def test_kernels_compile_for_every_target(aot_reports):
-    """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64): both kernels compile
-    and fit their targets' shared memory / LDS; on gfx950 and gfx942 without spills. (sm_90
-    spills: this first version keeps [64, 128] fp32 tiles of six operands live in a
-    program; docs/kernels.md.)"""
+    """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16): both kernels
+    compile and fit their targets' shared memory / LDS; on gfx950 and gfx942 without
+    spills, on sm_90 with at most 16 bytes a thread (this first version keeps [64, 128]
+    fp32 tiles of several operands live in a program; kda_prefill.WARPS)."""
     assert len(aot_reports) == 2 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
         assert res.fits, (target, name, res)
-        if target.startswith("gfx"):
-            assert res.spills == 0, (target, name, res)
+        assert res.spills is not None and res.spills <= (0 if target.startswith("gfx") else 16), (target, name, res)

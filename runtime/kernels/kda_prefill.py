@@ -29,11 +29,14 @@ sequences' (``torch.searchsorted`` over the running chunk counts), and the first
 sized for the worst case, ``cdiv(T, BT) + sequences``; programs past the real count exit.
 No host synchronisation.
 
-Numerics: fp32 throughout, products at full fp32 precision (``input_precision="ieee"``);
-padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
-neither decay nor write the state, as in the reference. This is the first, correctness-first
+Numerics: fp32 throughout; the products exact for an fp32 model, at the backend's default
+precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
+products spilled thousands of bytes per thread on sm_90, AOT). Padding rows of a
+sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they neither decay nor
+write the state, as in the reference. This is the first, correctness-first
 version (issue #23): A is built on the vector units one key column at a time and T by row
-substitution; the tensor-core formulation (sub-chunks of 16, fla's) is the next step.
+substitution; the tensor-core formulation of those (sub-chunks of 16, fla's) is the next
+step.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_si
 CHUNK = 64
 #: state columns per scan program
 BLOCK_V = 32
-#: launch parameters (warps, software-pipeline stages) of the two kernels
-PREP_WARPS, PREP_STAGES = 8, 1
-SCAN_WARPS, SCAN_STAGES = 4, 1
+#: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
+#: the fewest spills (sm_90: 16 / 14 bytes at 8 warps, thousands at 4; AMD, with twice
+#: the registers per lane: none but the scan's 48-61 at 8, none at 4); one pipeline stage
+WARPS = {"cuda": {"prep": 8, "scan": 8}, "hip": {"prep": 8, "scan": 4}}
 
 
 @counted
@@ -64,7 +68,7 @@ def _kda_chunk_prep_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,  # cu_seqlens [N+1]; per chunk: sequence, first token; [1]
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
     scale, H, eps,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,8 +117,8 @@ def _kda_chunk_prep_kernel(
 
     eG = tl.exp(G)
     G_last = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), axis=0)
-    W = tl.dot(Tinv, k * eG, input_precision="ieee")
-    U = tl.dot(Tinv, v, input_precision="ieee")
+    W = tl.dot(Tinv, k * eG, input_precision=DOT_PRECISION)
+    U = tl.dot(Tinv, v, input_precision=DOT_PRECISION)
 
     base = (c * H + h).to(tl.int64)
     tl.store(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :], W)
@@ -133,7 +137,7 @@ def _kda_chunk_scan_kernel(
     o_ptr, state_ptr,  # [T, H, DV] in v's dtype; [S, H, D, DV] fp32, updated in place
     cu_ptr, slots_ptr, seq_chunk0_ptr,  # cu_seqlens [N+1]; slots [N]; each sequence's first chunk [N]
     H,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -154,9 +158,9 @@ def _kda_chunk_scan_kernel(
         QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
         KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
         GL = tl.load(gl_ptr + base * D + dk)
-        U = U - tl.dot(W, S, input_precision="ieee")
-        o = tl.dot(QG, S, input_precision="ieee") + tl.dot(Aq, U, input_precision="ieee")
-        S = GL[:, None] * S + tl.dot(KEt, U, input_precision="ieee")
+        U = U - tl.dot(W, S, input_precision=DOT_PRECISION)
+        o = tl.dot(QG, S, input_precision=DOT_PRECISION) + tl.dot(Aq, U, input_precision=DOT_PRECISION)
+        S = GL[:, None] * S + tl.dot(KEt, U, input_precision=DOT_PRECISION)
         tok = (start + cc * BT + rows).to(tl.int64)
         tl.store(o_ptr + (tok[:, None] * H + h) * DV + vcols[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=(tok < end)[:, None])
@@ -178,6 +182,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
                         f"{tuple(slots.shape)}")
     if problems:
         raise ValueError("kda_prefill: " + "; ".join(problems))
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """The products' precision: exact fp32 for an fp32 model; for bf16 / fp16 ones, whose
+    output rounds far coarser, the backend's default for fp32 operands (CUDA: tf32 on the
+    matrix units; ROCm: fp32)."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def kernel_takes(q: Tensor, v: Tensor, state: Tensor, chunk: int = CHUNK) -> bool:
@@ -218,35 +229,41 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     aq = torch.empty((worst, H, chunk, chunk), **f32)
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
+    precision = dot_precision(v.dtype)
+    warps = WARPS["hip" if torch.version.hip else "cuda"]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), cu, chunk_seq, chunk_first, ends[-1:],
-        w, u, aq, qg, ke, gl, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, num_warps=PREP_WARPS,
-        num_stages=PREP_STAGES,
+        w, u, aq, qg, ke, gl, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, DOT_PRECISION=precision,
+        num_warps=warps["prep"], num_stages=1,
     )
     bv = min(BLOCK_V, DV)
     _kda_chunk_scan_kernel[(N, H, DV // bv)](
         w, u, aq, qg, ke, gl, o, state, cu, slots.to(device=dev, dtype=torch.int64), first_chunk, H,
-        D=D, DV=DV, BT=chunk, BV=bv, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+        D=D, DV=DV, BT=chunk, BV=bv, DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=1,
     )
     return o
 
 
-def aot_requests(heads: int = 12, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
-    """Both kernels as the launcher runs them at K3's per-rank shapes (12 heads, D = DV = 128)."""
+def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
+                 dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
+    """Both kernels as the launcher runs them on ``backend`` ("cuda" or "hip") at K3's
+    per-rank shapes (12 heads, D = DV = 128)."""
+    warps = WARPS[backend]
     t = TRITON_DTYPES[dtype]
-    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK}
+    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "DOT_PRECISION": dot_precision(dtype)}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr")},
                   "scale": "fp32", "eps": "fp32"}
-    scan_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BV": min(BLOCK_V, head_dim)}
+    scan_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BV": min(BLOCK_V, head_dim),
+              "DOT_PRECISION": dot_precision(dtype)}
     scan_types = {**{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "state_ptr")},
                   "o_ptr": f"*{t}", "cu_ptr": "*i64", "slots_ptr": "*i64", "seq_chunk0_ptr": "*i64"}
     return [
         KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
-                     launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, PREP_WARPS, PREP_STAGES),
+                     launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"]),
         KernelLaunch("kda_prefill scan", _kda_chunk_scan_kernel,
-                     launch_signature(_kda_chunk_scan_kernel, scan_types, scan_c), scan_c, SCAN_WARPS, SCAN_STAGES),
+                     launch_signature(_kda_chunk_scan_kernel, scan_types, scan_c), scan_c, warps["scan"]),
     ]
 
 
