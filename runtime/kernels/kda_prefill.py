@@ -15,11 +15,14 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
 Launches:
 
 1. ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on
-   the state, for every chunk of every sequence in parallel: the norms, G, A and Aq (one
-   key column at a time, exponents clamped at 0 so that e^{G_r - G_j} never overflows
-   for the rows it does not belong to), T by forward substitution, W and U~ by two
-   products, and the factors the scan multiplies the state by (q e^G, beta k
-   e^{G_last - G}, e^{G_last}). Stored in fp32 workspaces per (chunk, head).
+   the state, for every chunk of every sequence in parallel: the norms and G (to a
+   scratch tile), A and Aq by [16, 16] blocks of sub-chunks (below the diagonal one
+   product each, the decay split at the row block's first token, e^{G_r - G_j} =
+   e^{G_r - G_ref} e^{G_ref - G_j} with both exponents <= 0, so nothing overflows however
+   strong the gate; on the diagonal one key column at a time, exponents clamped at 0),
+   T by forward substitution, W and U~ by two products, and the factors the scan
+   multiplies the state by (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in fp32
+   workspaces per (chunk, head).
 2. ``_kda_chunk_scan_kernel``, grid (sequences, heads, value tiles of BV): the sequence's
    chunks in order, the state tile [D, BV] in registers: U, o and S1 per chunk as above (four
    products), o stored in v's dtype, the final state stored back to ``state[slot]`` in place.
@@ -33,10 +36,9 @@ Numerics: fp32 throughout; the products exact for an fp32 model, at the backend'
 precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
 products spilled thousands of bytes per thread on sm_90, AOT). Padding rows of a
 sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they neither decay nor
-write the state, as in the reference. This is the first, correctness-first
-version (issue #23): A is built on the vector units one key column at a time and T by row
-substitution; the tensor-core formulation of those (sub-chunks of 16, fla's) is the next
-step.
+write the state, as in the reference. Issue #23's first version: T is still found by 63 row
+substitutions of a [64, 64] tile, and a sequence's chunks are scanned one after another
+(at batch 1, 12 heads x 4 value tiles are 48 programs): the chunk-group scan is next.
 """
 
 from __future__ import annotations
@@ -51,14 +53,15 @@ from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 
-#: tokens per chunk (the reference's default)
+#: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
 CHUNK = 64
+SUB_CHUNK = 16
 #: state columns per scan program
 BLOCK_V = 32
 #: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
-#: the fewest spills (sm_90: 16 / 14 bytes at 8 warps, thousands at 4; AMD, with twice
-#: the registers per lane: none but the scan's 48-61 at 8, none at 4); one pipeline stage
-WARPS = {"cuda": {"prep": 8, "scan": 8}, "hip": {"prep": 8, "scan": 4}}
+#: the fewest spills (sm_90: 2 / 14 bytes a thread at 8 warps, hundreds or thousands at
+#: 4; AMD, with up to 512 VGPRs a lane: none at 4, 28-61 at 8); one pipeline stage
+WARPS = {"cuda": {"prep": 8, "scan": 8}, "hip": {"prep": 4, "scan": 4}}
 
 
 @counted
@@ -67,8 +70,9 @@ def _kda_chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [T, H, D], [T, H, D], [T, H, DV], [T, H, D] fp32, [T, H] fp32
     cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,  # cu_seqlens [N+1]; per chunk: sequence, first token; [1]
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
+    scratch_ptr, a_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A [BT, BT]
     scale, H, eps,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -83,50 +87,79 @@ def _kda_chunk_prep_kernel(
     dv = tl.arange(0, DV)
     valid = t0 + rows < end
     tok = (t0 + rows).to(tl.int64)
+    base = (c * H + h).to(tl.int64)
+    tile = rows[:, None] * D + dk[None, :]
+    q_s = scratch_ptr + base * 3 * BT * D  # the three [BT, D] scratch tiles: q, k, G
+    k_s = q_s + BT * D
+    g_s = k_s + BT * D
 
+    # 1. The norms and G, to scratch: the blocks below read them by sub-chunk.
     qk_off = (tok[:, None] * H + h) * D + dk[None, :]
     q = tl.load(q_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale
-    k = k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None]
-    G = tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0)
-    beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
-    v = tl.load(v_ptr + (tok[:, None] * H + h) * DV + dv[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(q_s + tile, q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale)
+    tl.store(k_s + tile, k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None])
+    tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
+    tl.debug_barrier()
 
-    # A and Aq, one key column j at a time: e^{G_r - G_j} for the rows r >= j (G falls
-    # along the chunk, so the exponent is <= 0 there; clamped for the rows above).
-    A = tl.zeros([BT, BT], dtype=tl.float32)
-    Aq = tl.zeros([BT, BT], dtype=tl.float32)
-    for j in range(BT):
-        at_j = (rows == j)[:, None]
-        G_j = tl.sum(tl.where(at_j, G, 0.0), axis=0)
-        k_j = tl.sum(tl.where(at_j, k, 0.0), axis=0)
-        beta_j = tl.sum(tl.where(rows == j, beta, 0.0), axis=0)
-        kd = tl.exp(tl.minimum(G - G_j[None, :], 0.0)) * k_j[None, :]  # row r: e^{G_r - G_j} k_j
-        col = (cols == j)[None, :]
-        A += tl.where(col & (rows[:, None] > j), (tl.sum(k * kd, axis=1) * beta_j)[:, None], 0.0)
-        Aq += tl.where(col & (rows[:, None] >= j), (tl.sum(q * kd, axis=1) * beta_j)[:, None], 0.0)
+    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns). Below the diagonal one
+    # product each, the decays split at a's first row: e^{G_r - G_j} = e^{G_r - G_ref}
+    # e^{G_ref - G_j}, both exponents <= 0 (G falls along the chunk). On the diagonal,
+    # one key column at a time, each exponent clamped at 0 for the rows above it.
+    sub = tl.arange(0, BC)
+    sub_tile = sub[:, None] * D + dk[None, :]
+    for a in range(BT // BC):
+        k_a = tl.load(k_s + a * BC * D + sub_tile)
+        q_a = tl.load(q_s + a * BC * D + sub_tile)
+        G_a = tl.load(g_s + a * BC * D + sub_tile)
+        G_ref = tl.load(g_s + a * BC * D + dk)
+        e_a = tl.exp(G_a - G_ref[None, :])
+        for b in range(BT // BC):
+            if b < a:
+                G_b = tl.load(g_s + b * BC * D + sub_tile)
+                k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)
+                t_b = t0 + b * BC + sub
+                beta_b = tl.load(beta_ptr + t_b.to(tl.int64) * H + h, mask=t_b < end, other=0.0)
+                blk_a = tl.dot(k_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION) * beta_b[None, :]
+                blk_q = tl.dot(q_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION) * beta_b[None, :]
+            elif b == a:
+                blk_a = tl.zeros([BC, BC], dtype=tl.float32)
+                blk_q = tl.zeros([BC, BC], dtype=tl.float32)
+                for j in range(BC):
+                    G_j = tl.load(g_s + (a * BC + j) * D + dk)
+                    kd = tl.exp(tl.minimum(G_a - G_j[None, :], 0.0)) * tl.load(k_s + (a * BC + j) * D + dk)[None, :]
+                    t_j = t0 + a * BC + j
+                    beta_j = tl.load(beta_ptr + t_j.to(tl.int64) * H + h, mask=t_j < end, other=0.0)
+                    col = (sub == j)[None, :]
+                    blk_a += tl.where(col & (sub[:, None] > j), (tl.sum(k_a * kd, axis=1) * beta_j)[:, None], 0.0)
+                    blk_q += tl.where(col & (sub[:, None] >= j), (tl.sum(q_a * kd, axis=1) * beta_j)[:, None], 0.0)
+            else:
+                blk_a = tl.zeros([BC, BC], dtype=tl.float32)
+                blk_q = tl.zeros([BC, BC], dtype=tl.float32)
+            blk = (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :]
+            tl.store(a_ptr + base * BT * BT + blk, blk_a)
+            tl.store(aq_ptr + base * BT * BT + blk, blk_q)
+    tl.debug_barrier()
 
-    # T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j, :].
+    # 3. T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j, :].
+    At = tl.load(a_ptr + base * BT * BT + cols[None, :] * BT + rows[:, None])  # At[j, i] = A[i, j]
     Tinv = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-    At = tl.trans(A)  # At[j, i] = A[i, j]: row i of A along the row axis, to weigh T's rows
     for i in range(1, BT):
         a_i = tl.sum(tl.where(cols[None, :] == i, At, 0.0), axis=1)  # [BT] over j
         new = tl.where(cols == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
         Tinv = tl.where(rows[:, None] == i, new[None, :], Tinv)
 
+    # 4. W, U~ and the state factors.
+    G = tl.load(g_s + tile)
     eG = tl.exp(G)
-    G_last = tl.sum(tl.where((rows == BT - 1)[:, None], G, 0.0), axis=0)
-    W = tl.dot(Tinv, k * eG, input_precision=DOT_PRECISION)
-    U = tl.dot(Tinv, v, input_precision=DOT_PRECISION)
-
-    base = (c * H + h).to(tl.int64)
-    tl.store(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :], W)
-    tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + dv[None, :], U)
-    tl.store(aq_ptr + base * BT * BT + rows[:, None] * BT + cols[None, :], Aq)
-    tl.store(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :], q * eG)
-    tl.store(ke_ptr + base * BT * D + rows[:, None] * D + dk[None, :],
-             k * tl.exp(G_last[None, :] - G) * beta[:, None])
+    G_last = tl.load(g_s + (BT - 1) * D + dk)
+    k = tl.load(k_s + tile)
+    beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
+    tl.store(w_ptr + base * BT * D + tile, tl.dot(Tinv, k * eG, input_precision=DOT_PRECISION))
+    tl.store(ke_ptr + base * BT * D + tile, k * tl.exp(G_last[None, :] - G) * beta[:, None])
+    tl.store(qg_ptr + base * BT * D + tile, tl.load(q_s + tile) * eG)
+    v = tl.load(v_ptr + (tok[:, None] * H + h) * DV + dv[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + dv[None, :], tl.dot(Tinv, v, input_precision=DOT_PRECISION))
     tl.store(gl_ptr + base * D + dk, tl.exp(G_last))
 
 
@@ -226,15 +259,16 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     f32 = {"dtype": torch.float32, "device": dev}
     w, qg, ke = (torch.empty((worst, H, chunk, D), **f32) for _ in range(3))
     u = torch.empty((worst, H, chunk, DV), **f32)
-    aq = torch.empty((worst, H, chunk, chunk), **f32)
+    aq, a = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(2))
+    scratch = torch.empty((worst, H, 3, chunk, D), **f32)
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
     precision = dot_precision(v.dtype)
     warps = WARPS["hip" if torch.version.hip else "cuda"]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), cu, chunk_seq, chunk_first, ends[-1:],
-        w, u, aq, qg, ke, gl, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, DOT_PRECISION=precision,
-        num_warps=warps["prep"], num_stages=1,
+        w, u, aq, qg, ke, gl, scratch, a, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
+        DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
     )
     bv = min(BLOCK_V, DV)
     _kda_chunk_scan_kernel[(N, H, DV // bv)](
@@ -250,10 +284,11 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     per-rank shapes (12 heads, D = DV = 128)."""
     warps = WARPS[backend]
     t = TRITON_DTYPES[dtype]
-    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "DOT_PRECISION": dot_precision(dtype)}
+    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK, "DOT_PRECISION": dot_precision(dtype)}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
-                  **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr")},
+                  **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "scratch_ptr",
+                                          "a_ptr")},
                   "scale": "fp32", "eps": "fp32"}
     scan_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BV": min(BLOCK_V, head_dim),
               "DOT_PRECISION": dot_precision(dtype)}
