@@ -20,7 +20,8 @@ Launches:
    product each, the decay split at the row block's first token, e^{G_r - G_j} =
    e^{G_r - G_ref} e^{G_ref - G_j} with both exponents <= 0, so nothing overflows however
    strong the gate; on the diagonal one key column at a time, exponents clamped at 0),
-   T by forward substitution, W and U~ by two products, and the factors the scan
+   T = (I + A)^-1 by blocks (the diagonal ones by forward substitution, the others by
+   products), W and U~ by two products, and the factors the scan
    multiplies the state by (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in fp32
    workspaces per (chunk, head).
 2. ``_kda_chunk_scan_kernel``, grid (sequences, heads, value tiles of BV): the sequence's
@@ -36,9 +37,8 @@ Numerics: fp32 throughout; the products exact for an fp32 model, at the backend'
 precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
 products spilled thousands of bytes per thread on sm_90, AOT). Padding rows of a
 sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they neither decay nor
-write the state, as in the reference. Issue #23's first version: T is still found by 63 row
-substitutions of a [64, 64] tile, and a sequence's chunks are scanned one after another
-(at batch 1, 12 heads x 4 value tiles are 48 programs): the chunk-group scan is next.
+write the state, as in the reference. A sequence's chunks are scanned one after another (at
+batch 1, 12 heads x 4 value tiles are 48 programs): the chunk-group scan is next.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _kda_chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [T, H, D], [T, H, D], [T, H, DV], [T, H, D] fp32, [T, H] fp32
     cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,  # cu_seqlens [N+1]; per chunk: sequence, first token; [1]
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
-    scratch_ptr, a_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A [BT, BT]
+    scratch_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A and T [BT, BT]
     scale, H, eps,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -141,13 +141,32 @@ def _kda_chunk_prep_kernel(
             tl.store(aq_ptr + base * BT * BT + blk, blk_q)
     tl.debug_barrier()
 
-    # 3. T = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] T[j, :].
-    At = tl.load(a_ptr + base * BT * BT + cols[None, :] * BT + rows[:, None])  # At[j, i] = A[i, j]
-    Tinv = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(cols[None, :] == i, At, 0.0), axis=1)  # [BT] over j
-        new = tl.where(cols == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
-        Tinv = tl.where(rows[:, None] == i, new[None, :], Tinv)
+    # 3. T = (I + A)^-1, block lower triangular like A, by row blocks a: the diagonal block
+    # by forward substitution (row i = e_i - sum_{j<i} A[i, j] T[j, :]), then for b < a
+    # T_ab = -T_aa sum_{b<=c<a} A_ac T_cb (row blocks of T above a are written by then).
+    a_s = a_ptr + base * BT * BT
+    t_s = t_ptr + base * BT * BT
+    eye = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
+    for a in range(BT // BC):
+        At = tl.load(a_s + (a * BC + sub)[None, :] * BT + (a * BC + sub)[:, None])  # At[j, i] = A_aa[i, j]
+        T_aa = eye
+        for i in range(1, BC):
+            a_i = tl.sum(tl.where(sub[None, :] == i, At, 0.0), axis=1)  # [BC] over j
+            new = tl.where(sub == i, 1.0, 0.0) - tl.sum(a_i[:, None] * T_aa, axis=0)
+            T_aa = tl.where(sub[:, None] == i, new[None, :], T_aa)
+        tl.store(t_s + (a * BC + sub)[:, None] * BT + (a * BC + sub)[None, :], T_aa)
+        for b in range(a):
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for cb in range(b, a):
+                A_ac = tl.load(a_s + (a * BC + sub)[:, None] * BT + (cb * BC + sub)[None, :])
+                T_cb = tl.load(t_s + (cb * BC + sub)[:, None] * BT + (b * BC + sub)[None, :])
+                acc += tl.dot(A_ac, T_cb, input_precision=DOT_PRECISION)
+            T_ab = -tl.dot(T_aa, acc, input_precision=DOT_PRECISION)
+            tl.store(t_s + (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :], T_ab)
+        for b in range(a + 1, BT // BC):
+            tl.store(t_s + (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :], tl.zeros([BC, BC], tl.float32))
+        tl.debug_barrier()  # this row block of T is read by the next ones
+    Tinv = tl.load(t_s + rows[:, None] * BT + cols[None, :])
 
     # 4. W, U~ and the state factors.
     G = tl.load(g_s + tile)
@@ -259,7 +278,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     f32 = {"dtype": torch.float32, "device": dev}
     w, qg, ke = (torch.empty((worst, H, chunk, D), **f32) for _ in range(3))
     u = torch.empty((worst, H, chunk, DV), **f32)
-    aq, a = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(2))
+    aq, a, t = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(3))
     scratch = torch.empty((worst, H, 3, chunk, D), **f32)
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -267,7 +286,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     warps = WARPS["hip" if torch.version.hip else "cuda"]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), cu, chunk_seq, chunk_first, ends[-1:],
-        w, u, aq, qg, ke, gl, scratch, a, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
+        w, u, aq, qg, ke, gl, scratch, a, t, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
         DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
     )
     bv = min(BLOCK_V, DV)
@@ -288,7 +307,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "scratch_ptr",
-                                          "a_ptr")},
+                                          "a_ptr", "t_ptr")},
                   "scale": "fp32", "eps": "fp32"}
     scan_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BV": min(BLOCK_V, head_dim),
               "DOT_PRECISION": dot_precision(dtype)}
