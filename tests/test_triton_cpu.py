@@ -62,6 +62,7 @@ KERNELS_OF_OP = {
     "k3.mla_decode_split_kv.default": ("_mla_decode_split_kv_kernel", "_combine_splits_kernel"),
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),
+    "k3.mla_prefill_partial.default": ("_mla_attention_kernel",),
 }
 #: ... and with an FP8 cache
 FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
@@ -71,8 +72,10 @@ BOTH_PHASES = {"_attn_res_mix_kernel", "_rms_norm_kernel", "_route_kernel", "_ex
 #: the DCP merge: both phases under DCP (prefill attends over each rank's positions too)
 DCP_MERGE = {"_dcp_pack_kernel", "_dcp_merge_kernel"}
 DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel"}
-#: (k3.kda_prefill has kernels, runtime/kernels/kda_prefill.py, for head dims >= 16: tiny-h24's
-#: are 8, so its reference runs here; tests/test_kernel_kda_prefill.py covers the kernels)
+#: prefill under DCP attends over each rank's positions (the prefill attention kernel); k3.kda_prefill
+#: has kernels (runtime/kernels/kda_prefill.py) for head dims >= 16: tiny-h24's are 8, so its
+#: reference runs here (tests/test_kernel_kda_prefill.py covers the kernels)
+PREFILL_ONLY = {"_mla_attention_kernel"}
 
 
 def _k3_ops(module: GraphModule) -> dict[str, int]:
@@ -147,7 +150,7 @@ def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(
         prefill, decode = tri["launches"]
         writes = {"_mla_cache_write_fp8_kernel"} if fp8 else set()
         assert prefill == _expected_launches(rank["ops"]["prefill"], fp8)
-        assert set(prefill) == BOTH_PHASES | DCP_MERGE | writes
+        assert set(prefill) == BOTH_PHASES | DCP_MERGE | PREFILL_ONLY | writes
         assert decode == _expected_launches(rank["ops"]["decode"], fp8)
         assert set(decode) == BOTH_PHASES | DCP_MERGE | DECODE_ONLY | writes
         assert decode["kda_decode_kernel"] == 3 and decode["_mla_decode_split_kv_kernel"] == 2  # KDA, MLA layers
