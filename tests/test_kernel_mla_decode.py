@@ -39,7 +39,7 @@ from mla_cases import DEVICE, case, check, poison_past_contexts, reference, with
 from tolerances import MLA_LSE, MLA_O, assert_close_scaled, reference_scale, unit_roundoff
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
-from k3compile.runtime.kernels import aot
+from k3compile.runtime.kernels import aot, kernel_launches, reset_kernel_launches
 from k3compile.runtime.kernels import mla_attention as ak
 from k3compile.runtime.kernels import mla_cache_write as cw
 from k3compile.runtime.kernels import mla_common as mc
@@ -344,6 +344,31 @@ def test_prefill_partial_over_a_members_positions_matches_the_reference(dcp, int
         want_o, want_lse = mla_prefill_partial_reference(q, cache, table, cu, seq_lens, offset, dcp, interleave,
                                                          0.3, L)
         check((o, lse), (want_o, want_lse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_naive_prefill_op_through_the_absorbed_kernel_matches_its_reference(dtype):
+    """``mla_prefill_op`` (what the runtime registers for ``k3::mla_prefill`` on GPUs): the
+    naive form's semantics (k_nope = W_UK latent, v = W_UV latent per head) computed by the
+    absorbed prefill kernel, against the op's reference: ragged new tokens after history,
+    12 heads. Tolerance: the absorbed form rounds q_nope W_UK and the latent output to the
+    model dtype where the reference keeps fp32 (2^-6 of the largest value in bf16)."""
+    from k3compile.ops.mla import mla_prefill_reference
+
+    H, L, R, Dn, Dv, bs = 12, 64, 8, 16, 16, 8
+    ctx, new = [13, 6, 21], [5, 6, 1]
+    gen = torch.Generator().manual_seed(7)
+    _, cache, table, seq_lens, _ = case(H, L, R, ctx, block_size=bs, dtype=dtype, seed=7)
+    q = torch.randn(sum(new), H, Dn + R, generator=gen).to(dtype)
+    kv_b = (torch.randn(H * (Dn + Dv), L, generator=gen) / L**0.5).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    reset_kernel_launches()
+    got = mk.mla_prefill_op(q.to(DEVICE), cache, kv_b.to(DEVICE), cu.to(DEVICE), table, seq_lens, 0.25)
+    assert kernel_launches() == {"_mla_attention_kernel": 1}
+    want = mla_prefill_reference(q, cache.cpu(), kv_b, cu, table.cpu(), seq_lens.cpu(), 0.25)
+    assert got.shape == want.shape == (sum(new), H, Dv) and got.dtype == dtype
+    err = float((got.cpu().float() - want.float()).abs().max() / want.float().abs().max())
+    assert err <= (1e-5 if dtype == torch.float32 else 2.0**-6), err
 
 
 def test_prefill_rejects_bad_cu_seqlens():

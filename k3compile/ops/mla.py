@@ -97,6 +97,12 @@ def mla_prefill(
 ) -> Tensor:
     """q [T, H, Dn+R] (packed new tokens; each sequence's new tokens are the last of its
     ``seq_lens[i]`` context positions, already written to the cache) -> o [T, H, Dv]."""
+    return mla_prefill_reference(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale)
+
+
+def mla_prefill_reference(q: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, block_table: Tensor,
+                          seq_lens: Tensor, scale: float) -> Tensor:
+    """``k3::mla_prefill``'s torch reference (the naive form, fp32 math on any device)."""
     cu = cu_seqlens.tolist()
     contexts = [gather_context(kv_cache, block_table[i], ctx) for i, ctx in enumerate(seq_lens.tolist())]
     return _prefill_attention(q, contexts, kv_b_weight, cu, scale)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.mla_cache_fp8 import cache_value_width
 from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels.aot import KernelLaunch
 from k3compile.runtime.kernels.mla_attention import GENERIC, PREFILL, attention_aot_launches, mla_prefill_partial
@@ -81,14 +82,32 @@ def mla_decode_op(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Te
     return mla_ops.mla_decode_reference(q, kv_cache, block_table, seq_lens, scale, value_dim)
 
 
+def mla_prefill_op(q: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, block_table: Tensor,
+                   seq_lens: Tensor, scale: float) -> Tensor:
+    """``k3::mla_prefill`` (the naive form's semantics) through the absorbed prefill kernel:
+    q_nope W_UK ++ q_pe against the latent cache, then W_UV on the latent output; flash-style,
+    so no [heads, tokens, context] score tensor is materialised as the reference does. The
+    reference for shapes the kernel does not take."""
+    H, L = q.shape[1], kv_b_weight.shape[1]
+    W = cache_value_width(kv_cache)
+    nope = q.shape[-1] - (W - L)
+    if not PREFILL.accepts(H, q.dtype, W, L) or cu_seqlens.dtype != torch.int32:
+        return mla_ops.mla_prefill_reference(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale)
+    w = kv_b_weight.view(H, -1, L)
+    q_abs = torch.cat([torch.einsum("thd,hdl->thl", q[..., :nope], w[:, :nope]), q[..., nope:]], dim=-1)
+    o, _ = PREFILL.launch(q_abs, kv_cache, cu_seqlens, block_table, seq_lens, scale, L)
+    return torch.einsum("thl,hdl->thd", o, w[:, nope:])
+
+
 def register_kernels(device_type: str) -> None:
-    """Make :func:`mla_decode_op`, :func:`mla_decode_split_kv` and the prefill kernel's
-    ``mla_prefill_partial`` the ``device_type`` implementations of ``k3::mla_decode``,
-    ``k3::mla_decode_split_kv`` and ``k3::mla_prefill_partial`` (registering again replaces
-    the same functions)."""
+    """Make :func:`mla_decode_op`, :func:`mla_decode_split_kv`, :func:`mla_prefill_op` and the
+    prefill kernel's ``mla_prefill_partial`` the ``device_type`` implementations of
+    ``k3::mla_decode``, ``k3::mla_decode_split_kv``, ``k3::mla_prefill`` and
+    ``k3::mla_prefill_partial`` (registering again replaces the same functions)."""
     mla_ops.mla_decode.register_kernel(device_type)(mla_decode_op)
     mla_ops.mla_decode_split_kv.register_kernel(device_type)(mla_decode_split_kv)
     mla_ops.mla_prefill_partial.register_kernel(device_type)(mla_prefill_partial)
+    mla_ops.mla_prefill.register_kernel(device_type)(mla_prefill_op)
 
 
 def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
