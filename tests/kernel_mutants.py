@@ -62,6 +62,7 @@ MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_produc
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
 KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation")
 PREFILL_PARTIAL = Selection("tests/test_kernel_mla_decode.py", "prefill_partial")
+SHORT_CONV = Selection("tests/test_kernel_short_conv.py", "ragged")
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,12 @@ MUTANTS = [
            "row_end = _local_length(row_end, cycle, interleave, tl.load(position_offset_ptr).to(tl.int32))",
            "row_end = row_end  # mutant", PREFILL_PARTIAL,
            "MLA prefill over a DCP member's cache: causal limits in global positions, not the member's rows"),
+    Mutant("short_conv_history_off_by_one", "runtime/kernels/short_conv.py",
+           "h_pos = src - start + (K - 1)", "h_pos = src - start + (K - 2)", SHORT_CONV,
+           "short-conv prefill: a sequence's first tokens read the conv state one entry late"),
+    Mutant("short_conv_state_keeps_history", "runtime/kernels/short_conv.py",
+           "new = new + (tl.where(src >= K - 1, from_x.to(old[0].dtype), kept),)", "new = new + (old[m],)",
+           SHORT_CONV, "short-conv prefill: the conv states are never updated"),
 ]
 
 

@@ -63,6 +63,7 @@ KERNELS_OF_OP = {
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),
     "k3.mla_prefill_partial.default": ("_mla_attention_kernel",),
+    "k3.short_conv_prefill.default": ("_short_conv_kernel", "_conv_state_kernel"),
 }
 #: ... and with an FP8 cache
 FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
@@ -72,10 +73,11 @@ BOTH_PHASES = {"_attn_res_mix_kernel", "_rms_norm_kernel", "_route_kernel", "_ex
 #: the DCP merge: both phases under DCP (prefill attends over each rank's positions too)
 DCP_MERGE = {"_dcp_pack_kernel", "_dcp_merge_kernel"}
 DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel"}
-#: prefill under DCP attends over each rank's positions (the prefill attention kernel); k3.kda_prefill
+#: prefill under DCP attends over each rank's positions (the prefill attention kernel), the KDA
+#: short convs run their prefill kernels; k3.kda_prefill
 #: has kernels (runtime/kernels/kda_prefill.py) for head dims >= 16: tiny-h24's are 8, so its
 #: reference runs here (tests/test_kernel_kda_prefill.py covers the kernels)
-PREFILL_ONLY = {"_mla_attention_kernel"}
+PREFILL_ONLY = {"_mla_attention_kernel", "_short_conv_kernel", "_conv_state_kernel"}
 
 
 def _k3_ops(module: GraphModule) -> dict[str, int]:

@@ -57,6 +57,7 @@ __all__ = [
     "kda_recurrent",
     "kda_chunked",
     "short_conv_prefill",
+    "short_conv_prefill_reference",
     "short_conv_decode",
     "kda_gate",
     "kda_prefill",
@@ -212,6 +213,13 @@ def short_conv_prefill(
     x: Tensor, weight: Tensor, conv_state: Tensor, cu_seqlens: Tensor, slots: Tensor
 ) -> Tensor:
     """Depthwise causal conv + SiLU over packed sequences; updates conv_state[slots]."""
+    return short_conv_prefill_reference(x, weight, conv_state, cu_seqlens, slots)
+
+
+def short_conv_prefill_reference(
+    x: Tensor, weight: Tensor, conv_state: Tensor, cu_seqlens: Tensor, slots: Tensor
+) -> Tensor:
+    """``k3::short_conv_prefill``'s torch reference (the numerical truth), sequence by sequence."""
     out = torch.empty_like(x)
     bounds = cu_seqlens.tolist()
     slot_list = slots.tolist()

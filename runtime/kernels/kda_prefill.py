@@ -43,6 +43,8 @@ batch 1, 12 heads x 4 value tiles are 48 programs): the chunk-group scan is next
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -219,6 +221,31 @@ def _kda_chunk_scan_kernel(
     tl.store(state_ptr + s_off, S)
 
 
+@dataclass(frozen=True)
+class ChunkTable:
+    """Packed sequences cut in chunks of ``chunk`` tokens, numbered sequence after
+    sequence, for a worst-case grid of ``cdiv(T, chunk) + N`` programs (every sequence may
+    end in a partial chunk); computed on the device, no host synchronisation."""
+
+    cu: Tensor  # cu_seqlens as int64 [N+1]
+    seq: Tensor  # [worst] each chunk's sequence (programs past ``count`` exit)
+    first: Tensor  # [worst] each chunk's first token
+    count: Tensor  # [1] the real number of chunks
+    seq_first: Tensor  # [N] each sequence's first chunk
+
+
+def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
+    """The :class:`ChunkTable` of ``total`` packed tokens delimited by ``cu_seqlens``."""
+    cu = cu_seqlens.to(dtype=torch.int64)
+    N = cu.numel() - 1
+    chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk  # per sequence
+    ends = torch.cumsum(chunks, 0)
+    seq_first = ends - chunks
+    ids = torch.arange(triton.cdiv(total, chunk) + N, device=cu.device)
+    seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
+    return ChunkTable(cu, seq, cu[seq] + (ids - seq_first[seq]) * chunk, ends[-1:], seq_first)
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
            slots: Tensor) -> None:
     T, H, D = q.shape
@@ -267,31 +294,25 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     if T == 0 or N == 0:
         return o
     dev = q.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
-    chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk  # per sequence
-    ends = torch.cumsum(chunks, 0)
-    first_chunk = ends - chunks
-    worst = triton.cdiv(T, chunk) + N  # every sequence may end in a partial chunk
-    ids = torch.arange(worst, device=dev)
-    chunk_seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
-    chunk_first = cu[chunk_seq] + (ids - first_chunk[chunk_seq]) * chunk
+    table = chunk_table(cu_seqlens, T, chunk)
+    worst = table.seq.numel()
     f32 = {"dtype": torch.float32, "device": dev}
     w, qg, ke = (torch.empty((worst, H, chunk, D), **f32) for _ in range(3))
     u = torch.empty((worst, H, chunk, DV), **f32)
-    aq, a, t = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(3))
+    aq, a, t_inv = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(3))
     scratch = torch.empty((worst, H, 3, chunk, D), **f32)
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
     precision = dot_precision(v.dtype)
     warps = WARPS["hip" if torch.version.hip else "cuda"]
     _kda_chunk_prep_kernel[(worst, H)](
-        q, k, v, g.float().contiguous(), beta.float().contiguous(), cu, chunk_seq, chunk_first, ends[-1:],
-        w, u, aq, qg, ke, gl, scratch, a, t, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
+        q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
+        w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
         DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
     )
     bv = min(BLOCK_V, DV)
     _kda_chunk_scan_kernel[(N, H, DV // bv)](
-        w, u, aq, qg, ke, gl, o, state, cu, slots.to(device=dev, dtype=torch.int64), first_chunk, H,
+        w, u, aq, qg, ke, gl, o, state, table.cu, slots.to(device=dev, dtype=torch.int64), table.seq_first, H,
         D=D, DV=DV, BT=chunk, BV=bv, DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=1,
     )
     return o
