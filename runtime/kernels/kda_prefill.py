@@ -21,17 +21,15 @@ Launches:
    e^{G_r - G_ref} e^{G_ref - G_j} with both exponents <= 0, so nothing overflows however
    strong the gate; on the diagonal one key column at a time, exponents clamped at 0),
    T = (I + A)^-1 by blocks (the diagonal ones by forward substitution, the others by
-   products), W and U~ by two products, and the factors the scan
-   multiplies the state by (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in fp32
-   workspaces per (chunk, head).
+   products), W and U~ by two products, and the factors the scan multiplies the state by
+   (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in fp32 workspaces per (chunk, head).
 2. ``_kda_chunk_scan_kernel``, grid (sequences, heads, value tiles of BV): the sequence's
    chunks in order, the state tile [D, BV] in registers: U, o and S1 per chunk as above (four
    products), o stored in v's dtype, the final state stored back to ``state[slot]`` in place.
 
-Chunks are found on the device: each sequence's chunks are numbered after the previous
-sequences' (``torch.searchsorted`` over the running chunk counts), and the first grid is
-sized for the worst case, ``cdiv(T, BT) + sequences``; programs past the real count exit.
-No host synchronisation.
+Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
+after the previous sequences', and the first grid is sized for the worst case,
+``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
 
 Numerics: fp32 throughout; the products exact for an fp32 model, at the backend's default
 precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
@@ -61,8 +59,9 @@ SUB_CHUNK = 16
 #: state columns per scan program
 BLOCK_V = 32
 #: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
-#: the fewest spills (sm_90: 2 / 14 bytes a thread at 8 warps, hundreds or thousands at
-#: 4; AMD, with up to 512 VGPRs a lane: none at 4, 28-61 at 8); one pipeline stage
+#: the fewest spills (sm_90 at 8 warps: none in the preparation, 14 bytes a thread in the
+#: scan, hundreds or thousands at 4; AMD, with up to 512 VGPRs a lane: none at 4); one
+#: pipeline stage
 WARPS = {"cuda": {"prep": 8, "scan": 8}, "hip": {"prep": 4, "scan": 4}}
 
 
