@@ -347,6 +347,8 @@ class Runtime:
         """Start one sequence per prompt; returns their ids and last-token logits. Prompts
         longer than ``RuntimeOptions.prefill_chunk`` are prefilled chunk by chunk."""
         self.table.check_new(prompts)
+        if not prompts:
+            raise RequestError("need one token list per sequence and at least one sequence")
         too_long = [i for i, p in enumerate(prompts) if len(p) > self.options.max_context]
         if too_long:
             raise RequestError(f"request {too_long[0]}: prompt longer than max_context={self.options.max_context}")

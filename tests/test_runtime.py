@@ -63,6 +63,8 @@ def test_chunked_prefill_reproduces_the_reference(artifact_tp1, reference, chunk
     assert rt.generate(PROMPTS, NEW_TOKENS) == ref_tokens
     with pytest.raises(ValueError, match="prefill_chunk: a whole number >= 1 or None needed, got 0"):
         RuntimeOptions(prefill_chunk=0)
+    with pytest.raises(RequestError, match="at least one sequence"):
+        rt.prefill([])
 
 
 def _rank_main(rank: int, world: int, out: Path):
