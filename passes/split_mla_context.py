@@ -223,7 +223,7 @@ class SplitMLAContext(GraphPass):
         cache (this step's tokens are written to it first), the merge, then W_UV."""
         graph = gm.graph
         q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale = node.args
-        T, heads, dqk = q.meta["val"].shape
+        _, heads, dqk = q.meta["val"].shape
         L = kv_b_weight.meta["val"].shape[1]
         rope = cache_value_width(kv_cache.meta["val"]) - L
         nope = dqk - rope
