@@ -150,6 +150,7 @@ class BenchReport:
     lowering: str  # how the runtime ran the programs (targets.LOWERINGS)
     decode: list[DecodeResult]
     prefill: list[PrefillResult]
+    prefill_chunk: int | None = None  # the runtime's tokens per prefill step (None: whole prompts)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready, with the derived ratios."""
@@ -223,7 +224,8 @@ def run_bench(rt: Runtime, options: BenchOptions,
         prefill.append(PrefillResult(length, 1e3 * statistics.median(times[1:])))
         progress(f"prefill {length} tokens")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return BenchReport(str(rt.device), rt.rank, world, bandwidth, rt.graphs is not None, rt.lowering, decode, prefill)
+    return BenchReport(str(rt.device), rt.rank, world, bandwidth, rt.graphs is not None, rt.lowering, decode, prefill,
+                       rt.options.prefill_chunk)
 
 
 def load_peer(rt: Runtime, kind: str) -> ReferenceEngine:

@@ -115,6 +115,18 @@ def test_bench_cli_prints_and_writes_what_it_measured(artifact, tmp_path):
     assert all(p["ttft_ms"] > 0 for p in data["prefill"])
 
 
+def test_bench_cli_times_a_chunked_prefill(artifact, tmp_path):
+    """--prefill-chunk 4: the 20-token prompt's time to first token over five prefill steps."""
+    out = tmp_path / "c.json"
+    result = invoke("bench", artifact, "--batch", "1", "--context", "16", "--prompt-len", "20", "--steps", "1",
+                    "--no-profile", "--prefill-chunk", "4", "--json", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    (p,) = data["prefill"]
+    assert p["prompt_len"] == 20 and p["ttft_ms"] > 0
+    assert data["prefill_chunk"] == 4 and "in chunks of 4 tokens" in result.stdout
+
+
 def test_bench_cli_with_the_eager_peer_without_profile_or_prefill(artifact, tmp_path):
     out = tmp_path / "b.json"
     result = invoke("bench", artifact, "--batch", "2", "--context", "16", "--prompt-len", "", "--steps", "1",
@@ -136,6 +148,7 @@ def test_bench_cli_with_the_eager_peer_without_profile_or_prefill(artifact, tmp_
     (["--device", "tpu"], "--device: unknown device 'tpu'"),
     (["--peers", "eager,vllm"], "--peers: unknown peer 'vllm'; choose one of eager, compile"),
     (["--json", "/nonexistent-dir/b.json"], "--json: the folder /nonexistent-dir does not exist"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
 ])
 def test_bench_cli_refuses_bad_options_before_loading(artifact, args, message):
     assert_one_line_error(invoke("bench", artifact, *args), message)

@@ -149,7 +149,8 @@ def print_report(report: Any) -> None:
                       *(f"{r.peer_step_ms[p]:.3f}, {r.peer_step_ms[p] / r.step_ms:.2f}x" for p in peers))
     console.print(table)
     if report.prefill:
-        console.print("[bold]prefill[/], time to first token of one prompt, medians")
+        chunks = f", in chunks of {report.prefill_chunk} tokens" if report.prefill_chunk else ""
+        console.print(f"[bold]prefill[/], time to first token of one prompt{chunks}, medians")
         table = Table()
         for col in ("prompt tokens", "TTFT ms", "tokens/s"):
             table.add_column(col, justify="right")
