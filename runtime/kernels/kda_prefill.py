@@ -27,6 +27,10 @@ Launches:
    chunks in order, the state tile [D, BV] in registers: U, o and S1 per chunk as above (four
    products), o stored in v's dtype, the final state stored back to ``state[slot]`` in place.
 
+Workspaces: fp32, about 280 KB per (chunk, head) at D = DV = 128 (the preparation's
+outputs and its scratch tiles): 1.7 GB for 32K tokens at 12 heads, freed after the call;
+``RuntimeOptions.prefill_chunk`` bounds them.
+
 Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
 after the previous sequences', and the first grid is sized for the worst case,
 ``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
