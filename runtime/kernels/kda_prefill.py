@@ -89,7 +89,6 @@ def _kda_chunk_prep_kernel(
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     dk = tl.arange(0, D)
-    dv = tl.arange(0, DV)
     valid = t0 + rows < end
     tok = (t0 + rows).to(tl.int64)
     base = (c * H + h).to(tl.int64)
@@ -173,18 +172,25 @@ def _kda_chunk_prep_kernel(
         tl.debug_barrier()  # this row block of T is read by the next ones
     Tinv = tl.load(t_s + rows[:, None] * BT + cols[None, :])
 
-    # 4. W, U~ and the state factors.
-    G = tl.load(g_s + tile)
-    eG = tl.exp(G)
-    G_last = tl.load(g_s + (BT - 1) * D + dk)
-    k = tl.load(k_s + tile)
+    # 4. W, U~ and the state factors, BC-wide column blocks at a time (fewer live registers).
     beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
-    tl.store(w_ptr + base * BT * D + tile, tl.dot(Tinv, k * eG, input_precision=DOT_PRECISION))
-    tl.store(ke_ptr + base * BT * D + tile, k * tl.exp(G_last[None, :] - G) * beta[:, None])
-    tl.store(qg_ptr + base * BT * D + tile, tl.load(q_s + tile) * eG)
-    v = tl.load(v_ptr + (tok[:, None] * H + h) * DV + dv[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + dv[None, :], tl.dot(Tinv, v, input_precision=DOT_PRECISION))
-    tl.store(gl_ptr + base * D + dk, tl.exp(G_last))
+    for d0 in range(0, D, BC):
+        cols_d = d0 + sub
+        blk = rows[:, None] * D + cols_d[None, :]
+        G_d = tl.load(g_s + blk)
+        eG_d = tl.exp(G_d)
+        G_last = tl.load(g_s + (BT - 1) * D + cols_d)
+        k_d = tl.load(k_s + blk)
+        tl.store(w_ptr + base * BT * D + blk, tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION))
+        tl.store(ke_ptr + base * BT * D + blk, k_d * tl.exp(G_last[None, :] - G_d) * beta[:, None])
+        tl.store(qg_ptr + base * BT * D + blk, tl.load(q_s + blk) * eG_d)
+        tl.store(gl_ptr + base * D + cols_d, tl.exp(G_last))
+    for e0 in range(0, DV, BC):
+        cols_v = e0 + sub
+        v_e = tl.load(v_ptr + (tok[:, None] * H + h) * DV + cols_v[None, :], mask=valid[:, None],
+                      other=0.0).to(tl.float32)
+        tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + cols_v[None, :],
+                 tl.dot(Tinv, v_e, input_precision=DOT_PRECISION))
 
 
 @counted
