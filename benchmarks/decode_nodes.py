@@ -63,6 +63,18 @@ def node_times(rt: runtime.Runtime, ids: list[int]) -> list[dict[str, object]]:
     return rows
 
 
+def slice_runtime(out: Path, layers: int, sequences: int, tokens: int, lowering: str | None = None) -> runtime.Runtime:
+    """The ``k3-tp8-rank`` slice of ``layers`` layers written under ``out``, compiled for
+    h200 in bf16 and loaded on the GPU for ``sequences`` x ``tokens``, random history filled."""
+    cfg = with_layers(PRESETS["k3-tp8-rank"], layers)
+    model_dir = generate_model_dir(cfg, out / "slice", GenerateOptions(seed=0))
+    artifact = optimize(model_dir, out / "slice.k3c", CompileOptions(dtype="bfloat16", target="h200")).out_dir
+    rt = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(max_sequences=sequences, device="cuda",
+                                                             max_context=tokens, lowering=lowering))
+    fill_random_history(rt, torch.Generator(device="cuda").manual_seed(0))
+    return rt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -71,12 +83,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = with_layers(PRESETS["k3-tp8-rank"], args.layers)
-    model_dir = generate_model_dir(cfg, args.out / "slice", GenerateOptions(seed=0))
-    artifact = optimize(model_dir, args.out / "slice.k3c", CompileOptions(dtype="bfloat16", target="h200")).out_dir
-    rt = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(max_sequences=max(batches), device="cuda",
-                                                             max_context=args.context + 64, lowering="eager"))
-    fill_random_history(rt, torch.Generator(device="cuda").manual_seed(0))
+    rt = slice_runtime(args.out, args.layers, max(batches), args.context + 64, lowering="eager")
     result = {}
     for batch in batches:
         ids = start_sequences(rt, batch, args.context)

@@ -28,23 +28,19 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
-from decode_nodes import node_times  # benchmarks/ is the script's directory
-from gpu_timing import LAUNCH_COVER_CYCLES
+from decode_nodes import node_times, slice_runtime  # benchmarks/ is the script's directory
+from gpu_timing import replay_time
 from stream_floor import PLANS, _empty_kernel, _read_kernel
 from torch import fx
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves
 
 from k3compile import runtime
-from k3compile.bench import copy_bandwidth, fill_random_history, kernel_times, start_sequences, step_floor
-from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
-from k3compile.compiler import CompileOptions, optimize
-from k3compile.config import PRESETS, with_layers
+from k3compile.bench import copy_bandwidth, kernel_times, start_sequences, step_floor
 
 
 class _NodeBytes(fx.Interpreter):
@@ -117,16 +113,7 @@ def time_ideal(sizes: list[int], empties: int, repeats: int) -> dict[str, object
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(repeats):
-            torch.cuda._sleep(LAUNCH_COVER_CYCLES)
-            start.record()
-            graph.replay()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)
-        us = statistics.median(times)
+        us = replay_time(graph, repeats) * 1e6
         if not best or us < best["us"]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 graph.replay()
@@ -144,16 +131,7 @@ def measure(rt: runtime.Runtime, batch: int, context: int, bandwidth: float, rep
     sizes = [s for s in node_bytes(rt, ids, context) if s[0] in real_nodes]  # views launch nothing
     kernels = kernel_times(rt, ids, top=0)[0]
     graph = rt.graphs.graphs[next(b for b in rt.graphs.buckets if b >= batch)][0]
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    real_us = statistics.median(times)
+    real_us = replay_time(graph, repeats) * 1e6
     floor_MB = step_floor(rt, batch, context).total / 1e6
     floor_us = floor_MB * 1e6 / bandwidth * 1e6
     for s in ids:
@@ -181,12 +159,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    cfg = with_layers(PRESETS["k3-tp8-rank"], args.layers)
-    model_dir = generate_model_dir(cfg, args.out / "slice", GenerateOptions(seed=0))
-    artifact = optimize(model_dir, args.out / "slice.k3c", CompileOptions(dtype="bfloat16", target="h200")).out_dir
-    rt = runtime.load(artifact, 0, 1, runtime.RuntimeOptions(max_sequences=max(batches), device="cuda",
-                                                             max_context=args.context + 64))
-    fill_random_history(rt, torch.Generator(device="cuda").manual_seed(0))
+    rt = slice_runtime(args.out, args.layers, max(batches), args.context + 64)
     bandwidth = copy_bandwidth(2 << 30, 10)
     results = [measure(rt, b, args.context, bandwidth, args.repeats) for b in batches]
     (args.out / "launch_floor.json").write_text(json.dumps({"copy_bandwidth_Bps": bandwidth, "results": results},

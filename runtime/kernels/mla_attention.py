@@ -234,18 +234,22 @@ def mla_decode_generic(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_len
 
 def mla_prefill_absorbed(q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor, block_table: Tensor, seq_lens: Tensor,
                          scale: float, value_dim: int = 512, max_new_tokens: int | None = None,
-                         block_n: int | None = None) -> tuple[Tensor, Tensor]:
+                         block_n: int | None = None,
+                         split: tuple[Tensor, int, int] | None = None) -> tuple[Tensor, Tensor]:
     """Causal prefill, absorbed form: q [T, H, W] packed new tokens (sequence i's are rows
     cu_seqlens[i]:cu_seqlens[i+1], the last of its seq_lens[i] positions, already in the
     cache) -> (o [T, H, value_dim] in q.dtype, lse [T, H] fp32). ``max_new_tokens`` (the
-    most new tokens of one sequence) sizes the grid; read from cu_seqlens when not given."""
+    most new tokens of one sequence) sizes the grid; read from cu_seqlens when not given.
+    ``split``: (position offset, dcp, interleave) when the cache holds one DCP member's
+    positions."""
     N = seq_lens.shape[0]
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (N + 1,):
         raise ValueError(f"{PREFILL.name}: cu_seqlens must be int32 [{N + 1}], got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)}")
     if max_new_tokens is None:  # a device sync; prefill runs eagerly
         max_new_tokens = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
-    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, max_new_tokens, block_n)
+    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, max_new_tokens, block_n,
+                   split)
 
 
 def mla_prefill_partial(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_lens: Tensor,
@@ -258,13 +262,8 @@ def mla_prefill_partial(q: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seq
     if not PREFILL.accepts(q.shape[1], q.dtype, q.shape[2], value_dim):
         return mla_ops.mla_prefill_partial_reference(q, kv_cache, block_table, cu_seqlens, seq_lens, position_offset,
                                                      dcp, interleave, scale, value_dim)
-    N = seq_lens.shape[0]
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (N + 1,):
-        raise ValueError(f"mla_prefill_partial: cu_seqlens must be int32 [{N + 1}], got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
-    max_new_tokens = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
-    return _launch(PREFILL, q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim, max_new_tokens, None,
-                   split=(position_offset.reshape(1), dcp, interleave))
+    return mla_prefill_absorbed(q, kv_cache, cu_seqlens, block_table, seq_lens, scale, value_dim,
+                                split=(position_offset.reshape(1), dcp, interleave))
 
 
 GENERIC = MLAKernel("mla_decode_generic", "decode", 1, _DTYPES, 576, 512, False, mla_decode_generic)
