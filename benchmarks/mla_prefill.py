@@ -1,15 +1,19 @@
 """MLA prefill at one TP8 rank's shapes (12 heads, L = 512, k_pe 64, q_nope and v 128 per
-head, bf16): what the runtime runs for ``k3::mla_prefill`` on a GPU (the absorbed prefill
-kernel, ``runtime/kernels/mla_decode.mla_prefill_op``) against
+head, bf16): what the runtime runs for ``k3::mla_prefill`` on a GPU
+(``runtime/kernels/mla_decode.mla_prefill_op``: the expanded kernel or the absorbed one,
+whichever ``prefill_form`` picks), each form's kernel, against
 ``torch.nn.functional.scaled_dot_product_attention`` on the expanded form, and the compute
-floor; plus the KDA short conv's prefill kernels against their torch reference. CUDA GPU only.
+floors; plus the KDA short conv's prefill kernels against their torch reference. CUDA GPU only.
 
-    python benchmarks/mla_prefill.py [--tokens 4096 32768]
+    python benchmarks/mla_prefill.py [--tokens 4096 32768] [--sweep]
 
 One fresh prompt of ``tokens`` tokens (its latents already in the paged cache, as the
 runtime writes them before attention), ms per call, eager, median of 5 after a warm-up.
 "expanded + SDPA": k_nope and v decompressed from the latents (two einsums, timed with it)
 and SDPA's causal attention (its flash backend); "SDPA alone" without the decompression.
+"k3 expanded": the decompression and the kernel (what the op runs for a prompt);
+"expanded kernel alone" from decompressed keys and values, as "SDPA alone".
+``--sweep``: the expanded kernel at other tiles / warps / stages too (ms per config).
 Floors: each form's FLOPs over the bf16 matrix throughput of a large ``torch.matmul``
 measured in the same run (absorbed: 2 x (576 + 512) per new token, visible position and
 head; expanded: 2 x (192 + 128) per pair and head, plus 2 x 512 x 256 per position and head
@@ -28,8 +32,12 @@ import torch.nn.functional as F
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.ops.kda import short_conv_prefill_reference
 from k3compile.runtime.kernels import mla_decode, short_conv
+from k3compile.runtime.kernels import mla_prefill_expanded as ex
 
 H, L, R, DN, DV, BLOCK = 12, 512, 64, 128, 128, 64
+#: expanded-kernel configs --sweep times (block_m, block_n, warps, stages)
+SWEEP = [ex.ExpandedConfig(*c) for c in [(128, 64, 8, 1), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                         (128, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3)]]
 
 
 def timed(fn, repeats: int = 5) -> float:
@@ -81,6 +89,7 @@ def expanded(x: dict[str, torch.Tensor], scale: float, decompress: bool = True,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--sweep", action="store_true", help="the expanded kernel at other tiles, warps and stages")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     peak = matmul_flops_per_s()
@@ -98,11 +107,33 @@ def main() -> None:
         pairs = T * (T + 1) / 2
         absorbed_floor = 2 * pairs * H * (L + R + L) / peak * 1e3
         expanded_floor = (2 * pairs * H * (DN + R + DV) + 2 * T * H * L * (DN + DV)) / peak * 1e3
-        row = {"tokens": T, "err_vs_sdpa": err,
-               "k3 absorbed kernel ms": round(timed(ours), 2),
+        counts = ex.prefill_counts(x["cu"], x["seq_lens"])
+        ctx = ex.expand_context(x["cache"], x["kv_b"], x["table"], x["seq_lens"], H, T)
+        q_abs = torch.cat([torch.einsum("thd,hdl->thl", x["q"][..., :DN], w[:, :DN]), x["q"][..., DN:]], dim=-1)
+        absorbed = lambda: mla_decode.PREFILL.launch(q_abs, x["cache"], x["cu"], x["table"], x["seq_lens"],  # noqa: E731
+                                                     scale, L, max_new_tokens=T)
+        err_abs = float((torch.einsum("thl,hdl->thd", absorbed()[0], w[:, DN:]).float() - want).abs().max()
+                        / want.abs().max())
+        row = {"tokens": T, "form": ex.prefill_form(counts, H, L, R, DN, DV), "err_vs_sdpa": err,
+               "err_absorbed_vs_sdpa": err_abs,
+               "k3 op ms": round(timed(ours), 2),
+               "k3 expanded ms": round(timed(lambda: ex.mla_prefill_expanded(x["q"], x["cache"], x["kv_b"], x["cu"],
+                                                                              x["table"], x["seq_lens"], scale,
+                                                                              counts)), 2),
+               "expanded kernel alone ms": round(timed(lambda: ex.expanded_attention(x["q"], ctx, x["cu"], scale, T)), 2),
+               "absorbed kernel alone ms": round(timed(absorbed), 2),
                "expanded + SDPA ms": round(timed(lambda: expanded(x, scale)), 2),
                "SDPA alone ms": round(timed(lambda: expanded(x, scale, decompress=False, kv=kv)), 2),
                "absorbed floor ms": round(absorbed_floor, 2), "expanded floor ms": round(expanded_floor, 2)}
+        row["expanded kernel % of matmul"] = round(100 * (expanded_floor - 2 * T * H * L * (DN + DV) / peak * 1e3)
+                                                   / row["expanded kernel alone ms"], 1)
+        if args.sweep:
+            for cfg in SWEEP:
+                try:
+                    row[f"expanded {tuple(vars(cfg).values())} ms"] = round(
+                        timed(lambda: ex.expanded_attention(x["q"], ctx, x["cu"], scale, T, cfg)), 2)
+                except Exception as e:  # out of resources: say so and go on
+                    row[f"expanded {tuple(vars(cfg).values())} ms"] = type(e).__name__
         C, K = 1536, 4
         xs = torch.randn(T, C, generator=gen, device="cuda").bfloat16()
         wc = torch.randn(C, K, generator=gen, device="cuda").bfloat16()

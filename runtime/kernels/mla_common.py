@@ -119,9 +119,10 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict[str, object],
 
 
 #: strides that are multiples of 16 elements at K3's shapes (W = 576, L = 512, H a multiple
-#: of 16, block size 64): query rows, cache blocks and rows, output rows
+#: of 16, block size 64): query rows, cache blocks and rows, output rows, expanded keys
 _DIVISIBLE_STRIDES = ("stride_qb", "stride_qt", "stride_qh", "stride_kvb", "stride_kvt",
-                      "stride_ob", "stride_ot", "stride_oh", "stride_os", "stride_pb", "stride_ph", "stride_ps")
+                      "stride_ob", "stride_ot", "stride_oh", "stride_os", "stride_pb", "stride_ph", "stride_ps",
+                      "stride_kvp", "stride_kvh", "stride_pep")
 
 
 def _kernel_launch(name: str, fn, ptrs: dict[str, str], c: dict[str, object], num_warps: int,

@@ -55,6 +55,7 @@ from torch import Tensor
 
 from k3compile.mla_cache_fp8 import cache_value_width
 from k3compile.ops import mla as mla_ops
+from k3compile.runtime.kernels import mla_prefill_expanded as expanded
 from k3compile.runtime.kernels.aot import KernelLaunch
 from k3compile.runtime.kernels.mla_attention import GENERIC, PREFILL, attention_aot_launches, mla_prefill_partial
 from k3compile.runtime.kernels.mla_common import MLAKernel
@@ -84,18 +85,26 @@ def mla_decode_op(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Te
 
 def mla_prefill_op(q: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, block_table: Tensor,
                    seq_lens: Tensor, scale: float) -> Tensor:
-    """``k3::mla_prefill`` (the naive form's semantics) through the absorbed prefill kernel:
-    q_nope W_UK ++ q_pe against the latent cache, then W_UV on the latent output; flash-style,
-    so no [heads, tokens, context] score tensor is materialised as the reference does. The
-    reference for shapes the kernel does not take."""
+    """``k3::mla_prefill`` (the naive form's semantics) in the form with fewer FLOPs for
+    the batch (``mla_prefill_expanded.prefill_form``): the expanded kernel over decompressed
+    keys and values (prompts), or the absorbed prefill kernel (q_nope W_UK ++ q_pe against
+    the latent cache, then W_UV on the latent output: a few new tokens against a long
+    history). Both flash-style: no [heads, tokens, context] score tensor as the reference's.
+    The reference for shapes the kernels do not take."""
     H, L = q.shape[1], kv_b_weight.shape[1]
     W = cache_value_width(kv_cache)
     nope = q.shape[-1] - (W - L)
     if not PREFILL.accepts(H, q.dtype, W, L) or cu_seqlens.dtype != torch.int32:
         return mla_ops.mla_prefill_reference(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale)
+    counts = expanded.prefill_counts(cu_seqlens, seq_lens)
+    value = kv_b_weight.shape[0] // H - nope
+    if expanded.prefill_form(counts, H, L, W - L, nope, value) == "expanded":
+        return expanded.mla_prefill_expanded(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale,
+                                             counts)
     w = kv_b_weight.view(H, -1, L)
     q_abs = torch.cat([torch.einsum("thd,hdl->thl", q[..., :nope], w[:, :nope]), q[..., nope:]], dim=-1)
-    o, _ = PREFILL.launch(q_abs, kv_cache, cu_seqlens, block_table, seq_lens, scale, L)
+    o, _ = PREFILL.launch(q_abs, kv_cache, cu_seqlens, block_table, seq_lens, scale, L,
+                          max_new_tokens=counts.max_new_tokens)
     return torch.einsum("thl,hdl->thd", o, w[:, nope:])
 
 
@@ -116,7 +125,8 @@ def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: t
     a ``kv_dtype`` cache (default ``dtype``; an FP8 format: the FP8 layout), for AOT checks
     with aot.compile_for_target: the split-KV kernel once per head tile
     (``mla_decode_split_kv_h16`` ...), the generic and prefill kernels, the split combine
-    (which reads only fp32 partials: the same for every cache)."""
+    and the expanded prefill kernel (which read no cache: the same for every cache) at
+    K3's per-head widths."""
     return [*split_kv_aot_launches(backend, qk_dim, value_dim, dtype, kv_dtype),
             *attention_aot_launches(backend, qk_dim, value_dim, dtype, kv_dtype),
-            combine_aot_launch(value_dim, dtype, num_splits)]
+            combine_aot_launch(value_dim, dtype, num_splits), expanded.aot_launch(backend, dtype)]

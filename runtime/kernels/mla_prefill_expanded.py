@@ -1,0 +1,246 @@
+"""MLA prefill in the expanded form: the context's latents decompressed once into per-head
+keys and values (one GEMM), then flash attention of the new tokens over them.
+
+    k_nope | v = latent W_UK^T | latent W_UV^T        [P, H, Dn + Dv]  (P: the batch's positions)
+    o[t, h] = softmax_j(scale (q_nope k_nope_j + q_pe k_pe_j), j <= pos(t)) v_j
+
+Semantics are those of ``torch.ops.k3.mla_prefill`` (k3compile/ops/mla.py; its reference is
+this form in fp32). The absorbed form (``mla_attention.mla_prefill_absorbed``) instead
+attends in the 576-wide latent space: per (new token, visible position, head) it costs
+2 (L + R + L) FLOPs (K3: 2,176) against 2 (Dn + R + Dv) here (640), but needs no
+decompression, which costs 2 L (Dn + Dv) per context position and head (262,144 at K3).
+So the absorbed form wins for a few new tokens against a long history and the expanded
+one for prompts: :func:`prefill_form` chooses per call from the two FLOP counts.
+
+``_mla_expanded_kernel``, grid (tiles of BLOCK_M new tokens, heads, sequences): one head's
+[BLOCK_M, Dn + R] queries against BLOCK_N positions at a time, online softmax in the log2
+domain in fp32, the causal limit aligned to the bottom right (a sequence's new tokens are
+its last positions). Tiles of positions every row sees run without masks; only the
+diagonal ones mask. k_pe is one [P, R] tensor shared by every head, as in the cache.
+
+Memory: the decompressed keys and values are 2 (Dn + Dv) H bytes per context position in
+bf16 (6 KiB at one TP8 rank of K3: 200 MB at 32K positions), alive for one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3compile.mla_cache_fp8 import cache_rows_as_values, cache_value_width, is_fp8_cache
+from k3compile.runtime.kernels import counted
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
+from k3compile.runtime.kernels.mla_common import (
+    _INTERPRETED,
+    LOG2E,
+    _backend,
+    _dot_constexprs,
+    _empty,
+    _kernel_launch,
+)
+
+
+@counted
+@triton.jit
+def _mla_expanded_kernel(
+    q_ptr, kv_ptr, pe_ptr, cu_q_ptr, cu_kv_ptr, o_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_kvp, stride_kvh, stride_pep, stride_ot, stride_oh,
+    DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Program (new-token tile m, head h, sequence n). q [T, H, DN + R] (q_nope, then q_pe);
+    kv [P, H, DN + DV] (k_nope, then v) and pe [P, R], sequence n's positions at rows
+    cu_kv[n]:cu_kv[n+1]; o [T, H, DV]. FP32_DOT: dots on fp32 copies (the interpreter's
+    bf16 dot is wrong, triton#11584)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + n)
+    n_new = tl.load(cu_q_ptr + n + 1) - q_start
+    if m0 >= n_new:
+        return
+    kv_start = tl.load(cu_kv_ptr + n)
+    history = tl.load(cu_kv_ptr + n + 1) - kv_start - n_new  # positions before the new tokens
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_new
+    row_end = history + rows + 1  # exclusive causal limit of each row
+    d_n = tl.arange(0, BLOCK_DN)
+    d_r = tl.arange(0, BLOCK_R)
+    d_v = tl.arange(0, BLOCK_DV)
+    p_ty = q_ptr.dtype.element_ty
+    dot_ty = tl.float32 if FP32_DOT else p_ty
+
+    q_row = q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q_nope = tl.load(q_row + d_n[None, :], mask=row_ok[:, None] & (d_n[None, :] < DN), other=0.0).to(dot_ty)
+    q_pe = tl.load(q_row + DN + d_r[None, :], mask=row_ok[:, None] & (d_r[None, :] < R), other=0.0).to(dot_ty)
+
+    kv_head = kv_ptr + kv_start.to(tl.int64) * stride_kvp + h * stride_kvh
+    pe_seq = pe_ptr + kv_start.to(tl.int64) * stride_pep
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # [0, unmasked): tiles every row of this tile sees whole (row m0 sees history + m0 + 1)
+    unmasked = (history + m0 + 1) // BLOCK_N * BLOCK_N
+    tile_end = history + tl.minimum(m0 + BLOCK_M, n_new)
+    for n0 in range(0, tile_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        diagonal = n0 >= unmasked
+        valid = pos < tile_end
+        kv_row = kv_head + pos.to(tl.int64)[:, None] * stride_kvp
+        k_nope = tl.load(kv_row + d_n[None, :], mask=valid[:, None] & (d_n[None, :] < DN), other=0.0)
+        k_pe = tl.load(pe_seq + pos.to(tl.int64)[:, None] * stride_pep + d_r[None, :],
+                       mask=valid[:, None] & (d_r[None, :] < R), other=0.0)
+        v = tl.load(kv_row + DN + d_v[None, :], mask=valid[:, None] & (d_v[None, :] < DV), other=0.0)
+        s = tl.dot(q_nope, tl.trans(k_nope.to(dot_ty)), input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe.to(dot_ty)), s, input_precision=DOT_PRECISION) * scale_log2
+        if diagonal:
+            s = tl.where(pos[None, :] < row_end[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every row sees position 0: finite from the first tile
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(p_ty).to(dot_ty), v.to(dot_ty), acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o_row = o_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    tl.store(o_row + d_v[None, :], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d_v[None, :] < DV))
+
+
+@dataclass(frozen=True)
+class ExpandedContext:
+    """A batch's context positions, decompressed: sequence n's at rows cu[n]:cu[n+1]."""
+
+    kv: Tensor  # [P, H, Dn + Dv] k_nope then v, in the model dtype
+    k_pe: Tensor  # [P, R]
+    cu: Tensor  # [N + 1] int32
+
+
+def expand_context(kv_cache: Tensor, kv_b_weight: Tensor, block_table: Tensor, seq_lens: Tensor, num_heads: int,
+                   total: int) -> ExpandedContext:
+    """Gather each sequence's ``seq_lens[n]`` cached rows (``total`` in all) and decompress
+    their latents with ``kv_b_weight`` [H (Dn + Dv), L]: one GEMM in the weight's dtype (an
+    FP8 cache's rows dequantised first)."""
+    L = kv_b_weight.shape[1]
+    W = cache_value_width(kv_cache)
+    dev = kv_cache.device
+    lengths = seq_lens.long()
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=total)
+    pos = torch.arange(total, device=dev) - cu[seq]
+    bs = kv_cache.shape[1]
+    rows = kv_cache[block_table[seq, pos // bs].long(), pos % bs]  # [P, W (+ FP8 scales)]
+    if is_fp8_cache(kv_cache):
+        rows = cache_rows_as_values(rows, L).to(kv_b_weight.dtype)
+    kv = (rows[:, :L] @ kv_b_weight.t()).view(total, num_heads, -1)
+    return ExpandedContext(kv, rows[:, L:W].contiguous(), cu.to(torch.int32))
+
+
+@dataclass(frozen=True)
+class ExpandedConfig:
+    block_m: int  # new tokens per program
+    block_n: int  # positions per step
+    num_warps: int
+    num_stages: int
+
+
+def expanded_config(backend: str, dtype: torch.dtype) -> ExpandedConfig:
+    """Tiles and warps per backend, from the AOT resources at K3's shapes (Dn = Dv = 128,
+    R = 64; docs/kernels.md). fp32 tiles are twice as wide: half the rows."""
+    if dtype == torch.float32:
+        return ExpandedConfig(64, 32, 4, 1)
+    return ExpandedConfig(128, 64, 8, 2) if backend == "cuda" else ExpandedConfig(128, 64, 8, 1)
+
+
+def _constexprs(nope: int, rope: int, value: int, dtype: torch.dtype, config: ExpandedConfig,
+                interpreted: bool = _INTERPRETED) -> dict[str, object]:
+    pow2 = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731
+    return {"DN": nope, "R": rope, "DV": value, "BLOCK_DN": pow2(nope), "BLOCK_R": pow2(rope),
+            "BLOCK_DV": pow2(value), "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+            **_dot_constexprs(dtype, interpreted)}
+
+
+def mla_prefill_expanded(q: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, cu_seqlens: Tensor, block_table: Tensor,
+                         seq_lens: Tensor, scale: float, counts: PrefillCounts) -> Tensor:
+    """``k3::mla_prefill`` in the expanded form (module docstring): q [T, H, Dn + R] ->
+    o [T, H, Dv] in q's dtype. ``counts``: the batch's sizes on the host
+    (:func:`prefill_counts`)."""
+    ctx = expand_context(kv_cache, kv_b_weight, block_table, seq_lens, q.shape[1], counts.positions)
+    return expanded_attention(q, ctx, cu_seqlens, scale, counts.max_new_tokens)
+
+
+def expanded_attention(q: Tensor, ctx: ExpandedContext, cu_seqlens: Tensor, scale: float, max_new_tokens: int,
+                       config: ExpandedConfig | None = None) -> Tensor:
+    """The kernel: causal attention of q [T, H, Dn + R] (sequence n's new tokens at rows
+    cu_seqlens[n]:cu_seqlens[n+1], its last positions) over ``ctx`` -> o [T, H, Dv].
+    ``config``: the backend's (:func:`expanded_config`) unless given."""
+    T, H, _ = q.shape
+    R = ctx.k_pe.shape[1]
+    Dn = q.shape[-1] - R
+    Dv = ctx.kv.shape[-1] - Dn
+    o = _empty((T, H, Dv), q.dtype, q.device)
+    if T == 0:
+        return o
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    config = config or expanded_config(_backend(), q.dtype)
+    grid = (triton.cdiv(max_new_tokens, config.block_m), H, ctx.cu.numel() - 1)
+    _mla_expanded_kernel[grid](
+        q, ctx.kv, ctx.k_pe, cu_seqlens, ctx.cu, o, scale * LOG2E,
+        q.stride(0), q.stride(1), ctx.kv.stride(0), ctx.kv.stride(1), ctx.k_pe.stride(0), o.stride(0), o.stride(1),
+        **_constexprs(Dn, R, Dv, q.dtype, config), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return o
+
+
+@dataclass(frozen=True)
+class PrefillCounts:
+    """A prefill batch's sizes, read once on the host (prefill runs eagerly)."""
+
+    new_tokens: tuple[int, ...]  # per sequence
+    contexts: tuple[int, ...]  # per sequence, its new tokens included
+
+    @property
+    def max_new_tokens(self) -> int:
+        return max(self.new_tokens, default=0)
+
+    @property
+    def positions(self) -> int:
+        return sum(self.contexts)
+
+    def pairs(self) -> int:
+        """(new token, visible position) pairs of the causal prefill."""
+        return sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(self.new_tokens, self.contexts, strict=True))
+
+
+def prefill_counts(cu_seqlens: Tensor, seq_lens: Tensor) -> PrefillCounts:
+    """:class:`PrefillCounts` of a batch (one device-to-host copy)."""
+    both = torch.cat([cu_seqlens.long(), seq_lens.long()]).tolist()
+    cu, ctx = both[:cu_seqlens.numel()], both[cu_seqlens.numel():]
+    return PrefillCounts(tuple(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), tuple(ctx))
+
+
+def prefill_form(counts: PrefillCounts, heads: int, latent: int, rope: int, nope: int, value: int) -> str:
+    """"expanded" or "absorbed": the form with fewer FLOPs for this batch (module docstring)."""
+    pairs = counts.pairs()
+    new = sum(counts.new_tokens)
+    absorbed = 2 * heads * (pairs * (2 * latent + rope) + new * latent * (nope + value))
+    expanded = 2 * heads * (counts.positions * latent * (nope + value) + pairs * (nope + rope + value))
+    return "expanded" if expanded < absorbed else "absorbed"
+
+
+def aot_launch(backend: str, dtype: torch.dtype = torch.bfloat16, nope: int = 128, rope: int = 64,
+               value: int = 128) -> KernelLaunch:
+    """The kernel as :func:`mla_prefill_expanded` specialises it on ``backend`` at K3's widths."""
+    t = TRITON_DTYPES[dtype]
+    config = expanded_config(backend, dtype)
+    c = _constexprs(nope, rope, value, dtype, config, interpreted=False)
+    ptrs = {"q_ptr": t, "kv_ptr": t, "pe_ptr": t, "cu_q_ptr": "i32", "cu_kv_ptr": "i32", "o_ptr": t}
+    return _kernel_launch("mla_prefill_expanded", _mla_expanded_kernel, ptrs, c, config.num_warps, config.num_stages)
