@@ -116,8 +116,13 @@ def test_kernels_compile_for_every_target(aot_reports):
     """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16): both kernels
     compile and fit their targets' shared memory / LDS; on gfx950 and gfx942 without
     spills, on sm_90 with at most 16 bytes a thread (this first version keeps [64, 128]
-    fp32 tiles of several operands live in a program; kda_prefill.WARPS)."""
+    fp32 tiles of several operands live in a program; kda_prefill.WARPS). The preparation
+    holds at least two workgroups per gfx950 CU (issue #23: the chunk groups of two
+    sequences, or of one, run side by side)."""
     assert len(aot_reports) == 2 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
         assert res.fits, (target, name, res)
         assert res.spills is not None and res.spills <= (0 if target.startswith("gfx") else 16), (target, name, res)
+    prep = aot_reports[("gfx950", "kda_prefill prep")]
+    # AMD reports waves per SIMD; a CU has 4 SIMDs
+    assert prep.occupancy * 4 // kda_prefill.WARPS["hip"]["prep"] >= 2, prep

@@ -60,6 +60,8 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_si
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
 CHUNK = 64
 SUB_CHUNK = 16
+#: head-dim columns per slice of the preparation's A / Aq blocks
+HEAD_SLICE = 64
 #: state columns per scan program
 BLOCK_V = 32
 #: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
@@ -77,7 +79,8 @@ def _kda_chunk_prep_kernel(
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
     scratch_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A and T [BT, BT]
     scale, H, eps,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,40 +109,41 @@ def _kda_chunk_prep_kernel(
     tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
     tl.debug_barrier()
 
-    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns). Below the diagonal one
-    # product each, the decays split at a's first row: e^{G_r - G_j} = e^{G_r - G_ref}
-    # e^{G_ref - G_j}, both exponents <= 0 (G falls along the chunk). On the diagonal,
-    # one key column at a time, each exponent clamped at 0 for the rows above it.
+    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), summed over BD-wide slices
+    # of the head dim (fewer live registers). Below the diagonal one product per slice,
+    # the decays split at a's first row: e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j},
+    # both exponents <= 0 (G falls along the chunk). On the diagonal, one key column at a
+    # time, each exponent clamped at 0 for the rows above it. beta of the key columns last.
     sub = tl.arange(0, BC)
-    sub_tile = sub[:, None] * D + dk[None, :]
     for a in range(BT // BC):
-        k_a = tl.load(k_s + a * BC * D + sub_tile)
-        q_a = tl.load(q_s + a * BC * D + sub_tile)
-        G_a = tl.load(g_s + a * BC * D + sub_tile)
-        G_ref = tl.load(g_s + a * BC * D + dk)
-        e_a = tl.exp(G_a - G_ref[None, :])
         for b in range(BT // BC):
-            if b < a:
-                G_b = tl.load(g_s + b * BC * D + sub_tile)
-                k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)
+            blk_a = tl.zeros([BC, BC], dtype=tl.float32)
+            blk_q = tl.zeros([BC, BC], dtype=tl.float32)
+            if b <= a:
+                for d0 in range(0, D, BD):
+                    dks = d0 + tl.arange(0, BD)
+                    sub_tile = sub[:, None] * D + dks[None, :]
+                    k_a = tl.load(k_s + a * BC * D + sub_tile)
+                    q_a = tl.load(q_s + a * BC * D + sub_tile)
+                    G_a = tl.load(g_s + a * BC * D + sub_tile)
+                    if b < a:
+                        G_ref = tl.load(g_s + a * BC * D + dks)
+                        e_a = tl.exp(G_a - G_ref[None, :])
+                        G_b = tl.load(g_s + b * BC * D + sub_tile)
+                        k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)
+                        blk_a += tl.dot(k_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
+                        blk_q += tl.dot(q_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
+                    else:
+                        for j in range(BC):
+                            G_j = tl.load(g_s + (a * BC + j) * D + dks)
+                            kd = tl.exp(tl.minimum(G_a - G_j[None, :], 0.0)) * tl.load(k_s + (a * BC + j) * D + dks)[None, :]
+                            col = (sub == j)[None, :]
+                            blk_a += tl.where(col & (sub[:, None] > j), tl.sum(k_a * kd, axis=1)[:, None], 0.0)
+                            blk_q += tl.where(col & (sub[:, None] >= j), tl.sum(q_a * kd, axis=1)[:, None], 0.0)
                 t_b = t0 + b * BC + sub
                 beta_b = tl.load(beta_ptr + t_b.to(tl.int64) * H + h, mask=t_b < end, other=0.0)
-                blk_a = tl.dot(k_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION) * beta_b[None, :]
-                blk_q = tl.dot(q_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION) * beta_b[None, :]
-            elif b == a:
-                blk_a = tl.zeros([BC, BC], dtype=tl.float32)
-                blk_q = tl.zeros([BC, BC], dtype=tl.float32)
-                for j in range(BC):
-                    G_j = tl.load(g_s + (a * BC + j) * D + dk)
-                    kd = tl.exp(tl.minimum(G_a - G_j[None, :], 0.0)) * tl.load(k_s + (a * BC + j) * D + dk)[None, :]
-                    t_j = t0 + a * BC + j
-                    beta_j = tl.load(beta_ptr + t_j.to(tl.int64) * H + h, mask=t_j < end, other=0.0)
-                    col = (sub == j)[None, :]
-                    blk_a += tl.where(col & (sub[:, None] > j), (tl.sum(k_a * kd, axis=1) * beta_j)[:, None], 0.0)
-                    blk_q += tl.where(col & (sub[:, None] >= j), (tl.sum(q_a * kd, axis=1) * beta_j)[:, None], 0.0)
-            else:
-                blk_a = tl.zeros([BC, BC], dtype=tl.float32)
-                blk_q = tl.zeros([BC, BC], dtype=tl.float32)
+                blk_a *= beta_b[None, :]
+                blk_q *= beta_b[None, :]
             blk = (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :]
             tl.store(a_ptr + base * BT * BT + blk, blk_a)
             tl.store(aq_ptr + base * BT * BT + blk, blk_q)
@@ -317,7 +321,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
+        BD=min(HEAD_SLICE, D), DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
     )
     bv = min(BLOCK_V, DV)
     _kda_chunk_scan_kernel[(N, H, DV // bv)](
@@ -333,7 +337,8 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     per-rank shapes (12 heads, D = DV = 128)."""
     warps = WARPS[backend]
     t = TRITON_DTYPES[dtype]
-    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK, "DOT_PRECISION": dot_precision(dtype)}
+    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
+              "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": dot_precision(dtype)}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "scratch_ptr",
