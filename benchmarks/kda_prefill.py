@@ -3,12 +3,16 @@ Triton kernels of ``runtime/kernels/kda_prefill.py`` against fla-core's ``chunk_
 the op's torch reference. CUDA GPU only.
 
     python benchmarks/kda_prefill.py [--tokens 4096 32768] [--batches 1 8] [--reference-max 8192]
+        [--groups 0 8 16] [--profile]
 
 Each case is ``batch`` sequences of ``tokens`` each, packed (cu_seqlens), from random
 initial states, with K3's gate (lower bound -5). Timed eagerly (prefill is not captured in
 a CUDA graph), CUDA events, median of 5 after a warm-up; the state copy each call starts
 from is outside the timed span. Correctness first: the kernels' output and final states
-against the reference (up to ``--reference-max`` tokens) and against fla.
+against the reference (up to ``--reference-max`` tokens) and against fla. "k3 ms" is the
+launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported as
+"groups"); ``--groups`` also times given group sizes (0: none). ``--profile``: device ms
+per kernel of one call of ours and of fla's (torch profiler).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.ops.kda import kda_gate, kda_prefill_reference
 from k3compile.runtime.kernels import kda_prefill as kp
+from k3compile.runtime.kernels import kda_prefill_scan as scan
 
 H, D, DV, LOWER = 12, 128, 128, -5.0
 
@@ -37,8 +42,9 @@ def inputs(batch: int, tokens: int, gen: torch.Generator) -> dict[str, torch.Ten
             "slots": torch.arange(batch, device="cuda")}
 
 
-def ours(x: dict[str, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
-    return kp.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, x["cu"], x["slots"], D**-0.5)
+def ours(x: dict[str, torch.Tensor], state: torch.Tensor, group_chunks: int | None = None) -> torch.Tensor:
+    return kp.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], state, x["cu"], x["slots"], D**-0.5,
+                          group_chunks=group_chunks)
 
 
 def reference(x: dict[str, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
@@ -70,6 +76,21 @@ def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Device ms per kernel name of one call (after the timed ones: compiled and warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = x["state"].clone()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(x, state)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            totals[e.name[:60]] = totals.get(e.name[:60], 0.0) + e.device_time / 1e3
+    return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:12]}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -79,6 +100,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reference-max", type=int, default=8192)
+    ap.add_argument("--profile", action="store_true", help="device time per kernel of ours and fla's")
+    ap.add_argument("--groups", type=int, nargs="*", default=[], help="chunk-group sizes to time too (0: none)")
     args = ap.parse_args()
     try:
         import fla  # noqa: F401
@@ -103,8 +126,15 @@ def main() -> None:
                 o_peer = fn(x, s_peer)
                 row[f"err_vs_{name.split()[0]}"] = (rel_err(o, o_peer), rel_err(s_ours, s_peer))
                 row[f"{name} ms"] = round(timed(fn, x), 3)
+            row["groups"] = scan.group_size(batch, H, DV // min(scan.BLOCK_X, DV), tokens * batch // kp.CHUNK + batch,
+                                            scan.compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
+            for G in args.groups:
+                row[f"k3 groups={G} ms"] = round(timed(lambda x, s: ours(x, s, G), x), 3)
             print(json.dumps(row), flush=True)
+            if args.profile:
+                for name, fn in {"k3": ours, **peers}.items():
+                    print(json.dumps({"profile": name, "batch": batch, "tokens": tokens, **kernel_ms(fn, x)}), flush=True)
 
 
 if __name__ == "__main__":

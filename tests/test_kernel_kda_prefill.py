@@ -38,11 +38,11 @@ def make(lens: list[int], H: int = 2, D: int = 16, DV: int = 32, dtype: torch.dt
     return {n: t.to(DEVICE) for n, t in x.items()}
 
 
-def run_both(x: dict[str, object], chunk: int, scale: float = 0.25):
+def run_both(x: dict[str, object], chunk: int, scale: float = 0.25, group_chunks: int | None = None):
     """(o, state) of the kernels and of the reference, each from its own copy of the states."""
     args = lambda state: (x["q"], x["k"], x["v"], x["g"], x["beta"], state, x["cu_seqlens"], x["slots"])  # noqa: E731
     s_kernel, s_ref = x["state"].clone(), x["state"].cpu().clone()
-    o = kda_prefill.kda_prefill(*args(s_kernel), scale, chunk=chunk)
+    o = kda_prefill.kda_prefill(*args(s_kernel), scale, chunk=chunk, group_chunks=group_chunks)
     o_ref = kda_prefill_reference(*(t.cpu() for t in args(s_ref)[:5]), s_ref, x["cu_seqlens"].cpu(),
                                   x["slots"].cpu(), scale)
     return o.cpu(), s_kernel.cpu(), o_ref, s_ref
@@ -63,13 +63,44 @@ def test_ragged_batch_at_every_chunk_residue(dtype):
     slots = [3, 0, 6, 2, 7, 4, 8]
     x = make(lens, dtype=dtype, slots=slots, states=9)
     reset_kernel_launches()
-    o, state, o_ref, state_ref = run_both(x, chunk=16)
-    assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_chunk_scan_kernel": 1}
+    o, state, o_ref, state_ref = run_both(x, chunk=16, group_chunks=0)
+    assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_state_pass_kernel": 1,
+                                 "_kda_chunk_output_kernel": 1}
     assert o.dtype == dtype and o.shape == o_ref.shape
     close(o, o_ref, dtype, "o")
     # a bf16 model's products run at the backend's fp32-operand precision (tf32 on CUDA GPUs)
     close(state, state_ref, dtype, "state")
     assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])  # slots no sequence owns
+
+
+@pytest.mark.parametrize("group_chunks", [1, 2, 3])
+def test_chunk_groups_at_every_group_residue(group_chunks):
+    """The state pass by chunk groups (group summaries, their scan, then the groups from
+    their start states): sequences of 1 to 7 chunks of 16 cut into groups of 1, 2 and 3,
+    so that every sequence ends at each residue of the group, one sequence in a single
+    partial group; the same outputs and states as the reference."""
+    lens = [1, 20, 33, 48, 64, 80, 100, 112]
+    x = make(lens, slots=[3, 0, 6, 2, 7, 4, 8, 9], states=10, seed=4)
+    reset_kernel_launches()
+    o, state, o_ref, state_ref = run_both(x, chunk=16, group_chunks=group_chunks)
+    assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_state_pass_kernel": 2,
+                                 "_kda_group_scan_kernel": 1, "_kda_chunk_output_kernel": 1}
+    close(o, o_ref, torch.float32, "o")
+    close(state, state_ref, torch.float32, "state")
+    assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])
+
+
+def test_group_size_only_where_the_gpu_would_idle():
+    """Groups when sequences x heads x value tiles leave compute units idle and the
+    sequences are long enough to cut; sized near sqrt(chunks per sequence / 2)."""
+    from k3compile.runtime.kernels.kda_prefill_scan import MIN_GROUP, group_size
+
+    assert group_size(1, 12, 4, 512, units=132) == 16  # 32K tokens at batch 1: chain 16 + 32 + 16
+    assert group_size(1, 12, 4, 64, units=132) == 5  # 4K tokens: sqrt(32)
+    assert group_size(1, 12, 4, 20, units=132) == MIN_GROUP
+    assert group_size(8, 12, 4, 4096, units=132) is None  # 384 programs fill 132 SMs
+    assert group_size(1, 12, 4, 8, units=132) is None  # too short to cut
+    assert group_size(1, 12, 4, 512, units=1) is None  # the interpreter: only where asked
 
 
 def test_k3_chunk_of_64_and_a_continuation():
@@ -113,13 +144,13 @@ def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
 
 
 def test_kernels_compile_for_every_target(aot_reports):
-    """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16): both kernels
-    compile and fit their targets' shared memory / LDS; on gfx950 and gfx942 without
-    spills, on sm_90 with at most 16 bytes a thread (this first version keeps [64, 128]
-    fp32 tiles of several operands live in a program; kda_prefill.WARPS). The preparation
+    """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16): every kernel
+    (preparation, state pass and group summaries, group scan, outputs) compiles and fits
+    its targets' shared memory / LDS without spills (sm_90: at most 16 bytes a thread,
+    observed none; kda_prefill.WARPS). The preparation
     holds at least two workgroups per gfx950 CU (issue #23: the chunk groups of two
     sequences, or of one, run side by side)."""
-    assert len(aot_reports) == 2 * len(aot.TARGETS)
+    assert len(aot_reports) == 5 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
         assert res.fits, (target, name, res)
         assert res.spills is not None and res.spills <= (0 if target.startswith("gfx") else 16), (target, name, res)

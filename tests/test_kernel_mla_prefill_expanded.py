@@ -93,18 +93,20 @@ def test_expanded_over_an_fp8_cache():
 
 def test_prefill_form_by_flops_at_k3_widths():
     """At K3's per-rank widths (12 heads, L 512, R 64, Dn = Dv = 128) a prompt takes the
-    expanded form and a few new tokens after a long history the absorbed one; the switch
-    lies where the decompression's 2 L (Dn + Dv) per position equals the absorbed form's
-    extra 2 (2 L + R - Dn - R - Dv) = 2 (L + L - Dn - Dv) per visible pair: ~171 new tokens."""
+    expanded form and a few new tokens after a long history the absorbed one. The switch
+    lies where the decompression's 2 L (Dn + Dv) FLOPs per position, at the expanded form's
+    rate, equal the absorbed form's 2 (2 L + R) per visible pair at its
+    ABSORBED_RELATIVE_RATE (0.15): about 19 new tokens."""
     k3 = dict(heads=12, latent=512, rope=64, nope=128, value=128)
     assert ex.prefill_form(ex.PrefillCounts((4096,), (4096,)), **k3) == "expanded"
+    assert ex.prefill_form(ex.PrefillCounts((64,), (64,)), **k3) == "expanded"
     assert ex.prefill_form(ex.PrefillCounts((8,), (32768,)), **k3) == "absorbed"
-    assert ex.prefill_form(ex.PrefillCounts((160,), (32768,)), **k3) == "absorbed"
-    assert ex.prefill_form(ex.PrefillCounts((200,), (32768,)), **k3) == "expanded"
-    # a batch takes one form, by its totals: a prompt beside two short continuations, or
-    # beside two long histories, whose decompression costs more than the prompt saves
-    assert ex.prefill_form(ex.PrefillCounts((1, 1, 2048), (2000, 2000, 2048)), **k3) == "expanded"
-    assert ex.prefill_form(ex.PrefillCounts((1, 1, 2048), (9000, 9000, 2048)), **k3) == "absorbed"
+    assert ex.prefill_form(ex.PrefillCounts((16,), (32768,)), **k3) == "absorbed"
+    assert ex.prefill_form(ex.PrefillCounts((24,), (32768,)), **k3) == "expanded"
+    # a batch takes one form, by its totals: a prompt beside two long histories, or a
+    # short continuation beside them (the decompression of 60,000 positions outweighs it)
+    assert ex.prefill_form(ex.PrefillCounts((1, 1, 2048), (30000, 30000, 2048)), **k3) == "expanded"
+    assert ex.prefill_form(ex.PrefillCounts((1, 1, 16), (30000, 30000, 16)), **k3) == "absorbed"
 
 
 def test_op_runs_the_form_it_picks():

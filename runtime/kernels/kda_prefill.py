@@ -55,6 +55,7 @@ from torch import Tensor
 from k3compile.ops import kda as kda_ops
 from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels import counted
+from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
@@ -62,8 +63,6 @@ CHUNK = 64
 SUB_CHUNK = 16
 #: head-dim columns per slice of the preparation's A / Aq blocks
 HEAD_SLICE = 64
-#: state columns per scan program
-BLOCK_V = 32
 #: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
 #: the fewest spills (sm_90 at 8 warps: none in the preparation, 14 bytes a thread in the
 #: scan, hundreds or thousands at 4; AMD, with up to 512 VGPRs a lane: none at 4); one
@@ -197,43 +196,6 @@ def _kda_chunk_prep_kernel(
                  tl.dot(Tinv, v_e, input_precision=DOT_PRECISION))
 
 
-@counted
-@triton.jit
-def _kda_chunk_scan_kernel(
-    w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # the prep kernel's workspaces
-    o_ptr, state_ptr,  # [T, H, DV] in v's dtype; [S, H, D, DV] fp32, updated in place
-    cu_ptr, slots_ptr, seq_chunk0_ptr,  # cu_seqlens [N+1]; slots [N]; each sequence's first chunk [N]
-    H,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    vcols = tl.program_id(2) * BV + tl.arange(0, BV)
-    start = tl.load(cu_ptr + i)
-    end = tl.load(cu_ptr + i + 1)
-    c0 = tl.load(seq_chunk0_ptr + i)
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    rows = tl.arange(0, BT)
-    dk = tl.arange(0, D)
-    s_off = ((slot * H + h) * D + dk[:, None]) * DV + vcols[None, :]
-    S = tl.load(state_ptr + s_off)
-    for cc in range(tl.cdiv(end - start, BT)):
-        base = ((c0 + cc) * H + h).to(tl.int64)
-        W = tl.load(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
-        U = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + vcols[None, :])
-        Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
-        QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
-        KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
-        GL = tl.load(gl_ptr + base * D + dk)
-        U = U - tl.dot(W, S, input_precision=DOT_PRECISION)
-        o = tl.dot(QG, S, input_precision=DOT_PRECISION) + tl.dot(Aq, U, input_precision=DOT_PRECISION)
-        S = GL[:, None] * S + tl.dot(KEt, U, input_precision=DOT_PRECISION)
-        tok = (start + cc * BT + rows).to(tl.int64)
-        tl.store(o_ptr + (tok[:, None] * H + h) * DV + vcols[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=(tok < end)[:, None])
-    tl.store(state_ptr + s_off, S)
-
-
 @dataclass(frozen=True)
 class ChunkTable:
     """Packed sequences cut in chunks of ``chunk`` tokens, numbered sequence after
@@ -245,6 +207,7 @@ class ChunkTable:
     first: Tensor  # [worst] each chunk's first token
     count: Tensor  # [1] the real number of chunks
     seq_first: Tensor  # [N] each sequence's first chunk
+    seq_chunks: Tensor  # [N] its chunk count
 
 
 def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
@@ -256,7 +219,7 @@ def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
     seq_first = ends - chunks
     ids = torch.arange(triton.cdiv(total, chunk) + N, device=cu.device)
     seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
-    return ChunkTable(cu, seq, cu[seq] + (ids - seq_first[seq]) * chunk, ends[-1:], seq_first)
+    return ChunkTable(cu, seq, cu[seq] + (ids - seq_first[seq]) * chunk, ends[-1:], seq_first, chunks)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
@@ -289,14 +252,16 @@ def kernel_takes(q: Tensor, v: Tensor, state: Tensor, chunk: int = CHUNK) -> boo
     state (it is updated in place)."""
     D, DV = q.shape[-1], v.shape[-1]
     pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (D, DV, chunk))
-    return pow2 and DV % min(BLOCK_V, DV) == 0 and state.dtype == torch.float32 and state.is_contiguous()
+    return pow2 and state.dtype == torch.float32 and state.is_contiguous()
 
 
 def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
-                slots: Tensor, scale: float, chunk: int = CHUNK) -> Tensor:
-    """``k3::kda_prefill`` in two launches (module docstring); updates ``state[slots]`` in
-    place and returns o [T, H, DV] in v's dtype. ``chunk``: tokens per chunk. Shapes the
-    kernels do not take (:func:`kernel_takes`) run the op's torch reference."""
+                slots: Tensor, scale: float, chunk: int = CHUNK, group_chunks: int | None = None) -> Tensor:
+    """``k3::kda_prefill`` (module docstring); updates ``state[slots]`` in place and returns
+    o [T, H, DV] in v's dtype. ``chunk``: tokens per chunk; ``group_chunks``: chunks per
+    group of the state pass (``kda_prefill_scan``), 0 for none, None for
+    ``kda_prefill_scan.group_size``'s choice. Shapes the kernels do not take
+    (:func:`kernel_takes`) run the op's torch reference."""
     _check(q, k, v, g, beta, state, cu_seqlens, slots)
     if not kernel_takes(q, v, state, chunk):
         return kda_ops.kda_prefill_reference(q, k, v, g, beta, state, cu_seqlens, slots, scale)
@@ -323,37 +288,68 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
         BD=min(HEAD_SLICE, D), DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
     )
-    bv = min(BLOCK_V, DV)
-    _kda_chunk_scan_kernel[(N, H, DV // bv)](
-        w, u, aq, qg, ke, gl, o, state, table.cu, slots.to(device=dev, dtype=torch.int64), table.seq_first, H,
-        D=D, DV=DV, BT=chunk, BV=bv, DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=1,
-    )
+    del scratch, a, t_inv  # the state pass's chunk states reuse their memory
+    slots = slots.to(device=dev, dtype=torch.int64)
+    bx = min(scan.BLOCK_X, D, DV)
+    chunk_states = torch.empty((worst, H, D, DV), **f32)
+    c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"], "num_stages": 1}
+    if group_chunks is None:
+        group_chunks = scan.group_size(N, H, DV // bx, worst, scan.compute_units(dev)) or 0
+    if group_chunks:
+        groups = scan.chunk_groups(table.seq_first, table.seq_chunks, worst, group_chunks)
+        seg = groups.segments
+        n = seg.chunk0.numel()
+        summary = torch.empty((n, H, D, D + DV), **f32)
+        starts = torch.empty((n, H, D, DV), **f32)
+        scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](
+            w, u, ke, gl, starts, seg.chunk0, summary, seg.chunk0, chunk_states, seg.chunk0, seg.chunks, seg.count,
+            H, BT=chunk, BX=bx, SUMMARY=True, **c)
+        scan._kda_group_scan_kernel[(N, H, DV // bx)](
+            summary, starts, state, slots, groups.seq_first, groups.seq_groups, H, BV=bx, **c)
+        scan._kda_state_pass_kernel[(n, H, DV // bx)](
+            w, u, ke, gl, starts, torch.arange(n, device=dev), state, torch.full((n,), -1, device=dev), chunk_states,
+            seg.chunk0, seg.chunks, seg.count, H, BT=chunk, BX=bx, SUMMARY=False, **c)
+    else:
+        scan._kda_state_pass_kernel[(N, H, DV // bx)](
+            w, u, ke, gl, state, slots, state, slots, chunk_states, table.seq_first, table.seq_chunks,
+            table.seq_first.new_tensor([N]), H, BT=chunk, BX=bx, SUMMARY=False, **c)
+    scan._kda_chunk_output_kernel[(worst, H, DV // bx)](
+        qg, aq, u, chunk_states, o, table.cu, table.seq, table.first, table.count, H, BT=chunk, BV=bx, **c)
     return o
 
 
 def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
-    """Both kernels as the launcher runs them on ``backend`` ("cuda" or "hip") at K3's
-    per-rank shapes (12 heads, D = DV = 128)."""
+    """Every kernel as the launcher runs it on ``backend`` ("cuda" or "hip") at K3's
+    per-rank shapes (12 heads, D = DV = 128): the preparation, the state pass (states and
+    group summaries), the group scan and the outputs."""
     warps = WARPS[backend]
     t = TRITON_DTYPES[dtype]
+    precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
-              "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": dot_precision(dtype)}
+              "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "scratch_ptr",
                                           "a_ptr", "t_ptr")},
                   "scale": "fp32", "eps": "fp32"}
-    scan_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BV": min(BLOCK_V, head_dim),
-              "DOT_PRECISION": dot_precision(dtype)}
-    scan_types = {**{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "state_ptr")},
-                  "o_ptr": f"*{t}", "cu_ptr": "*i64", "slots_ptr": "*i64", "seq_chunk0_ptr": "*i64"}
-    return [
-        KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
-                     launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"]),
-        KernelLaunch("kda_prefill scan", _kda_chunk_scan_kernel,
-                     launch_signature(_kda_chunk_scan_kernel, scan_types, scan_c), scan_c, warps["scan"]),
-    ]
+    launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
+                             launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"])]
+    bx = min(scan.BLOCK_X, head_dim)
+    fp32 = ("w_ptr", "u_ptr", "ke_ptr", "gl_ptr", "x0_ptr", "end_ptr", "chunk_states_ptr", "summary_ptr",
+            "starts_ptr", "state_ptr", "qg_ptr", "aq_ptr")
+    i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",
+           "seq_group0_ptr", "seq_groups_ptr", "cu_ptr", "chunk_seq_ptr", "chunk_first_ptr", "n_chunks_ptr")
+    types = {**{p: "*fp32" for p in fp32}, **{p: "*i64" for p in i64}, "o_ptr": f"*{t}"}
+    dims = {"D": head_dim, "DV": head_dim, "DOT_PRECISION": precision}
+    for name, fn, c in (("kda_prefill state pass", scan._kda_state_pass_kernel,
+                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": False}),
+                        ("kda_prefill group summaries", scan._kda_state_pass_kernel,
+                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True}),
+                        ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx}),
+                        ("kda_prefill outputs", scan._kda_chunk_output_kernel, {**dims, "BT": CHUNK, "BV": bx})):
+        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"]))
+    return launches
 
 
 def register_kernels(device_type: str) -> None:

@@ -9,8 +9,9 @@ this form in fp32). The absorbed form (``mla_attention.mla_prefill_absorbed``) i
 attends in the 576-wide latent space: per (new token, visible position, head) it costs
 2 (L + R + L) FLOPs (K3: 2,176) against 2 (Dn + R + Dv) here (640), but needs no
 decompression, which costs 2 L (Dn + Dv) per context position and head (262,144 at K3).
-So the absorbed form wins for a few new tokens against a long history and the expanded
-one for prompts: :func:`prefill_form` chooses per call from the two FLOP counts.
+So the absorbed form can win only for a few new tokens against a long history (its
+kernel also runs its FLOPs several times slower): :func:`prefill_form` chooses per call
+from the two FLOP counts and the measured rates.
 
 ``_mla_expanded_kernel``, grid (tiles of BLOCK_M new tokens, heads, sequences): one head's
 [BLOCK_M, Dn + R] queries against BLOCK_N positions at a time, online softmax in the log2
@@ -153,11 +154,13 @@ class ExpandedConfig:
 
 
 def expanded_config(backend: str, dtype: torch.dtype) -> ExpandedConfig:
-    """Tiles and warps per backend, from the AOT resources at K3's shapes (Dn = Dv = 128,
-    R = 64; docs/kernels.md). fp32 tiles are twice as wide: half the rows."""
+    """Tiles and warps per backend at K3's shapes (Dn = Dv = 128, R = 64): on CUDA the
+    fastest of an H200 sweep (BENCHMARKS.md), on AMD from the AOT resources (docs/kernels.md:
+    two workgroups per CU, the pipelined loads' LDS left to the compiler). fp32 tiles are
+    twice as wide: half the rows."""
     if dtype == torch.float32:
         return ExpandedConfig(64, 32, 4, 1)
-    return ExpandedConfig(128, 64, 8, 2) if backend == "cuda" else ExpandedConfig(128, 64, 8, 1)
+    return ExpandedConfig(128, 64, 8, 3) if backend == "cuda" else ExpandedConfig(128, 64, 8, 1)
 
 
 def _constexprs(nope: int, rope: int, value: int, dtype: torch.dtype, config: ExpandedConfig,
@@ -227,13 +230,21 @@ def prefill_counts(cu_seqlens: Tensor, seq_lens: Tensor) -> PrefillCounts:
     return PrefillCounts(tuple(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), tuple(ctx))
 
 
+#: the absorbed prefill kernel's FLOP rate over the expanded form's (kernel and
+#: decompression), measured on an H200 at K3's per-rank shapes (BENCHMARKS.md): its [16, 576]
+#: row tiles of (token, head) pairs use the matrix units far less well
+ABSORBED_RELATIVE_RATE = 0.15
+
+
 def prefill_form(counts: PrefillCounts, heads: int, latent: int, rope: int, nope: int, value: int) -> str:
-    """"expanded" or "absorbed": the form with fewer FLOPs for this batch (module docstring)."""
+    """"expanded" or "absorbed": the form whose FLOPs take less time for this batch, the
+    absorbed form's at :data:`ABSORBED_RELATIVE_RATE` of the expanded form's rate (module
+    docstring)."""
     pairs = counts.pairs()
     new = sum(counts.new_tokens)
     absorbed = 2 * heads * (pairs * (2 * latent + rope) + new * latent * (nope + value))
     expanded = 2 * heads * (counts.positions * latent * (nope + value) + pairs * (nope + rope + value))
-    return "expanded" if expanded < absorbed else "absorbed"
+    return "expanded" if expanded * ABSORBED_RELATIVE_RATE < absorbed else "absorbed"
 
 
 def aot_launch(backend: str, dtype: torch.dtype = torch.bfloat16, nope: int = 128, rope: int = 64,

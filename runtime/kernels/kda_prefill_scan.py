@@ -1,0 +1,199 @@
+"""KDA prefill after the preparation: the chunks' state recurrence (the only sequential
+part), by chunk groups when the sequences and heads alone do not fill the GPU, then every
+chunk's output in parallel.
+
+From the preparation's per-(chunk, head) factors (``kda_prefill.py``: W, U~, KE = beta k
+e^{G_last - G}, GL = e^{G_last}, QG = q e^G, Aq), with S_c the state a chunk starts from:
+
+    U_c     = U~_c - W_c S_c                         the chunk's values, corrected by S_c
+    S_{c+1} = GL_c S_c + KE_c^T U_c                  = M_c S_c + KE_c^T U~_c,
+                                                       M_c = diag(GL_c) - KE_c^T W_c  [D, D]
+    o_c     = QG_c S_c + Aq_c U_c
+
+Launches:
+
+1. ``_kda_state_pass_kernel``, grid (segments, heads, column tiles): a segment's chunks in
+   order, a [D, BX] column tile X in registers, X <- GL X + KE^T (U~ - W X), two products
+   a chunk. STATES: a segment is a sequence or a chunk group and X a tile of its state: each
+   chunk's S_c is stored and U_c replaces U~_c in place. SUMMARY: a segment is a chunk group
+   and X a tile of [M_g | B_g] [D, D + DV], the group as one affine map S -> M_g S + B_g
+   (X starts as [I | 0]; the M columns skip U~).
+2. ``_kda_group_scan_kernel``, grid (sequences, heads, value tiles): S <- M_g S + B_g over a
+   sequence's groups, storing each group's start state; the final state into its slot.
+3. ``_kda_chunk_output_kernel``, grid (chunks, heads, value tiles): o_c.
+
+Without groups: (1, STATES) over sequences from the state slots, storing the final states,
+then (3). With groups of G chunks: (1, SUMMARY), (2), (1, STATES) over groups from their
+start states, (3): about three times the state work, spread over G times as many programs,
+and a sequential chain of 2 G + (chunks / G) chunk steps instead of one per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3compile.runtime.kernels import counted
+
+#: columns of a state (or summary) tile per program
+BLOCK_X = 32
+
+
+@counted
+@triton.jit
+def _kda_state_pass_kernel(
+    w_ptr, u_ptr, ke_ptr, gl_ptr,  # the preparation's [chunks, H, BT, D], [.., BT, DV], [.., BT, D], [.., D]
+    x0_ptr, x0_row_ptr,  # STATES: start tiles [*, H, D, DV], segment s at row x0_row[s]
+    end_ptr, end_row_ptr,  # STATES: final states [*, H, D, DV] at row end_row[s] (< 0: none); SUMMARY: [s, H, D, D + DV]
+    chunk_states_ptr,  # STATES: each chunk's start state [chunks, H, D, DV]
+    seg_chunk0_ptr, seg_chunks_ptr, n_seg_ptr,  # per segment: first chunk, chunk count; [1] segments
+    H,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BX: tl.constexpr, SUMMARY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    if s >= tl.load(n_seg_ptr):
+        return
+    XC: tl.constexpr = D + DV if SUMMARY else DV  # columns of X
+    cols = tl.program_id(2) * BX + tl.arange(0, BX)
+    rows = tl.arange(0, BT)
+    dk = tl.arange(0, D)
+    c0 = tl.load(seg_chunk0_ptr + s)
+    if SUMMARY:  # [I | 0]; columns of B read U~'s columns cols - D
+        X = tl.where(dk[:, None] == cols[None, :], 1.0, 0.0)
+        ucols = cols - D
+    else:
+        x0_row = tl.load(x0_row_ptr + s).to(tl.int64)
+        X = tl.load(x0_ptr + ((x0_row * H + h) * D + dk[:, None]) * DV + cols[None, :])
+        ucols = cols
+    u_mask = (ucols >= 0)[None, :]
+    for cc in range(tl.load(seg_chunks_ptr + s)):
+        base = ((c0 + cc) * H + h).to(tl.int64)
+        W = tl.load(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
+        KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
+        GL = tl.load(gl_ptr + base * D + dk)
+        u_tile = u_ptr + base * BT * DV + rows[:, None] * DV + ucols[None, :]
+        Y = tl.load(u_tile, mask=u_mask, other=0.0) - tl.dot(W, X, input_precision=DOT_PRECISION)
+        if not SUMMARY:
+            tl.store(chunk_states_ptr + (base * D + dk[:, None]) * DV + cols[None, :], X)
+            tl.store(u_tile, Y)
+        X = GL[:, None] * X + tl.dot(KEt, Y, input_precision=DOT_PRECISION)
+    if SUMMARY:
+        tl.store(end_ptr + ((s.to(tl.int64) * H + h) * D + dk[:, None]) * XC + cols[None, :], X)
+    else:
+        end_row = tl.load(end_row_ptr + s).to(tl.int64)
+        if end_row >= 0:
+            tl.store(end_ptr + ((end_row * H + h) * D + dk[:, None]) * DV + cols[None, :], X)
+
+
+@counted
+@triton.jit
+def _kda_group_scan_kernel(
+    summary_ptr, starts_ptr, state_ptr,  # [groups, H, D, D + DV]; [groups, H, D, DV]; [S, H, D, DV] in place
+    slots_ptr, seq_group0_ptr, seq_groups_ptr,  # per sequence: slot, first group, group count
+    H,
+    D: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    dk = tl.arange(0, D)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    g0 = tl.load(seq_group0_ptr + i)
+    s_off = ((slot * H + h) * D + dk[:, None]) * DV + cols[None, :]
+    S = tl.load(state_ptr + s_off)
+    for gg in range(tl.load(seq_groups_ptr + i)):
+        g = (g0 + gg).to(tl.int64)
+        tl.store(starts_ptr + ((g * H + h) * D + dk[:, None]) * DV + cols[None, :], S)
+        summary = summary_ptr + ((g * H + h) * D + dk[:, None]) * (D + DV)
+        M = tl.load(summary + dk[None, :])
+        S = tl.dot(M, S, input_precision=DOT_PRECISION) + tl.load(summary + D + cols[None, :])
+    tl.store(state_ptr + s_off, S)
+
+
+@counted
+@triton.jit
+def _kda_chunk_output_kernel(
+    qg_ptr, aq_ptr, u_ptr, chunk_states_ptr, o_ptr,  # U_c (corrected) and S_c from the state pass; o [T, H, DV]
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,
+    H,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    if c >= tl.load(n_chunks_ptr):
+        return
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    dk = tl.arange(0, D)
+    t0 = tl.load(chunk_first_ptr + c)
+    end = tl.load(cu_ptr + tl.load(chunk_seq_ptr + c) + 1)
+    base = (c * H + h).to(tl.int64)
+    S = tl.load(chunk_states_ptr + (base * D + dk[:, None]) * DV + cols[None, :])
+    U = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + cols[None, :])
+    QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
+    Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
+    o = tl.dot(QG, S, input_precision=DOT_PRECISION) + tl.dot(Aq, U, input_precision=DOT_PRECISION)
+    tok = (t0 + rows).to(tl.int64)
+    tl.store(o_ptr + (tok[:, None] * H + h) * DV + cols[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(tok < end)[:, None])
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Runs of chunks the state pass walks: per segment its first chunk and chunk count,
+    and the real count [1] (a worst-case grid; programs past it exit)."""
+
+    chunk0: Tensor
+    chunks: Tensor
+    count: Tensor
+
+
+@dataclass(frozen=True)
+class ChunkGroups:
+    """Each sequence's chunks cut into groups of ``size`` (its last group may be shorter),
+    numbered sequence after sequence; computed on the device."""
+
+    size: int
+    segments: Segments  # the groups
+    seq_first: Tensor  # [N] each sequence's first group
+    seq_groups: Tensor  # [N] its group count
+
+
+def chunk_groups(seq_chunk0: Tensor, seq_chunks: Tensor, worst_chunks: int, size: int) -> ChunkGroups:
+    """:class:`ChunkGroups` of sequences whose chunks start at ``seq_chunk0`` [N] and
+    number ``seq_chunks`` [N] (``worst_chunks`` of them at most in all)."""
+    N = seq_chunks.numel()
+    groups = (seq_chunks + size - 1) // size
+    ends = torch.cumsum(groups, 0)
+    first = ends - groups
+    ids = torch.arange(triton.cdiv(worst_chunks, size) + N, device=seq_chunks.device)
+    seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
+    k = ids - first[seq]  # the group's index within its sequence
+    chunks = (seq_chunks[seq] - k * size).clamp(0, size)
+    return ChunkGroups(size, Segments(seq_chunk0[seq] + k * size, chunks, ends[-1:]), first, groups)
+
+
+def group_size(sequences: int, heads: int, value_tiles: int, worst_chunks: int, units: int) -> int | None:
+    """Chunks per group, or None for one segment per sequence: groups when the state pass
+    over sequences would leave compute units idle (fewer programs than units) and the
+    sequences are long enough to cut; sized so that the sequential chain, 2 G + chunks / G
+    steps, is shortest: G = sqrt(chunks per sequence / 2), at least MIN_GROUP."""
+    per_sequence = worst_chunks / sequences
+    if sequences * heads * value_tiles >= units or per_sequence < 4 * MIN_GROUP:
+        return None
+    return max(MIN_GROUP, int((per_sequence / 2) ** 0.5))
+
+
+#: the fewest chunks a group holds
+MIN_GROUP = 4
+
+
+def compute_units(device: torch.device) -> int:
+    """SMs / CUs of a GPU; 1 elsewhere (the interpreter: groups only where asked for)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
