@@ -60,7 +60,7 @@ ATTENTION_FP8 = Selection("tests/test_kernel_mla_fp8.py", "generic_and_prefill_f
 CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_kernel")
 MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
-KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation")
+KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation or stronger")
 PREFILL_PARTIAL = Selection("tests/test_kernel_mla_decode.py", "prefill_partial")
 SHORT_CONV = Selection("tests/test_kernel_short_conv.py", "ragged")
 
@@ -168,7 +168,8 @@ MUTANTS = [
            "zv = tl.load(src + z_col + zc, mask=z_mask, other=0.0)", MOE_INPUT,
            "MoE input kernel: z stored by a plain cast (truncated under the interpreter)"),
     Mutant("kda_prefill_diagonal_in_A", "runtime/kernels/kda_prefill.py",
-           "blk_a += tl.where(col & (sub[:, None] > j)", "blk_a += tl.where(col & (sub[:, None] >= j)", KDA_PREFILL,
+           "blk_a = tl.where(sub[:, None] > sub[None, :], blk_a, 0.0)",
+           "blk_a = tl.where(sub[:, None] >= sub[None, :], blk_a, 0.0)", KDA_PREFILL,
            "KDA prefill: A takes its diagonal (a token's own key corrects its own value)"),
     Mutant("kda_prefill_block_decay_unsplit", "runtime/kernels/kda_prefill.py",
            "k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)",

@@ -90,6 +90,21 @@ def test_chunk_groups_at_every_group_residue(group_chunks):
     assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])
 
 
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_gates_stronger_than_k3s():
+    """Gates of -8 to -12 a token (K3's are above -5): a sub-chunk decays past e^MAX_EXP, so
+    the preparation's diagonal blocks take the column-at-a-time path (whose rows above the
+    column overflow and are masked: the interpreter warns); still the reference's outputs
+    and states (which then barely depend on earlier tokens)."""
+    x = make([40, 33], D=16, DV=16, seed=6)
+    x["g"] = -8.0 - 4.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    span = 15 * 8.0  # the least decay over a sub-chunk of 16
+    assert span > kda_prefill.MAX_EXP.value
+    o, state, o_ref, state_ref = run_both(x, chunk=16)
+    close(o, o_ref, torch.float32, "o")
+    close(state, state_ref, torch.float32, "state")
+
+
 def test_group_size_only_where_the_gpu_would_idle():
     """Groups when sequences x heads x value tiles leave compute units idle and the
     sequences are long enough to cut; sized near sqrt(chunks per sequence / 2)."""

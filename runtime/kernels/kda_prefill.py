@@ -63,6 +63,9 @@ CHUNK = 64
 SUB_CHUNK = 16
 #: head-dim columns per slice of the preparation's A / Aq blocks
 HEAD_SLICE = 64
+#: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
+#: past e^88; normalised keys and 64 terms leave the margin)
+MAX_EXP = tl.constexpr(80.0)
 #: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
 #: the fewest spills (sm_90 at 8 warps: none in the preparation, 14 bytes a thread in the
 #: scan, hundreds or thousands at 4; AMD, with up to 512 VGPRs a lane: none at 4); one
@@ -109,10 +112,12 @@ def _kda_chunk_prep_kernel(
     tl.debug_barrier()
 
     # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), summed over BD-wide slices
-    # of the head dim (fewer live registers). Below the diagonal one product per slice,
-    # the decays split at a's first row: e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j},
-    # both exponents <= 0 (G falls along the chunk). On the diagonal, one key column at a
-    # time, each exponent clamped at 0 for the rows above it. beta of the key columns last.
+    # of the head dim (fewer live registers), one product per slice: the decays split at
+    # a's first row, e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}. Below the diagonal
+    # both exponents are <= 0 (G falls along the chunk). On it the second is up to a
+    # sub-chunk's decay, e^75 at K3's gate (-5 a token): the product is taken while that
+    # stays below e^MAX_EXP, else (stronger gates) one key column at a time (the rows
+    # above it may overflow: the mask drops them). beta of the key columns last.
     sub = tl.arange(0, BC)
     for a in range(BT // BC):
         for b in range(BT // BC):
@@ -125,20 +130,24 @@ def _kda_chunk_prep_kernel(
                     k_a = tl.load(k_s + a * BC * D + sub_tile)
                     q_a = tl.load(q_s + a * BC * D + sub_tile)
                     G_a = tl.load(g_s + a * BC * D + sub_tile)
-                    if b < a:
-                        G_ref = tl.load(g_s + a * BC * D + dks)
+                    G_ref = tl.load(g_s + a * BC * D + dks)
+                    G_b = tl.load(g_s + b * BC * D + sub_tile)
+                    span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dks), axis=0)
+                    if b < a or span < MAX_EXP:
                         e_a = tl.exp(G_a - G_ref[None, :])
-                        G_b = tl.load(g_s + b * BC * D + sub_tile)
                         k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)
                         blk_a += tl.dot(k_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
                         blk_q += tl.dot(q_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
                     else:
                         for j in range(BC):
                             G_j = tl.load(g_s + (a * BC + j) * D + dks)
-                            kd = tl.exp(tl.minimum(G_a - G_j[None, :], 0.0)) * tl.load(k_s + (a * BC + j) * D + dks)[None, :]
+                            kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dks)[None, :]
                             col = (sub == j)[None, :]
-                            blk_a += tl.where(col & (sub[:, None] > j), tl.sum(k_a * kd, axis=1)[:, None], 0.0)
-                            blk_q += tl.where(col & (sub[:, None] >= j), tl.sum(q_a * kd, axis=1)[:, None], 0.0)
+                            blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
+                            blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
+                if b == a:  # strictly lower for A, lower for Aq
+                    blk_a = tl.where(sub[:, None] > sub[None, :], blk_a, 0.0)
+                    blk_q = tl.where(sub[:, None] >= sub[None, :], blk_q, 0.0)
                 t_b = t0 + b * BC + sub
                 beta_b = tl.load(beta_ptr + t_b.to(tl.int64) * H + h, mask=t_b < end, other=0.0)
                 blk_a *= beta_b[None, :]
