@@ -3,7 +3,7 @@ Triton kernels of ``runtime/kernels/kda_prefill.py`` against fla-core's ``chunk_
 the op's torch reference. CUDA GPU only.
 
     python benchmarks/kda_prefill.py [--tokens 4096 32768] [--batches 1 8] [--reference-max 8192]
-        [--groups 0 8 16] [--profile]
+        [--groups 0 8 16] [--profile] [--sweep]
 
 Each case is ``batch`` sequences of ``tokens`` each, packed (cu_seqlens), from random
 initial states, with K3's gate (lower bound -5). Timed eagerly (prefill is not captured in
@@ -12,12 +12,15 @@ from is outside the timed span. Correctness first: the kernels' output and final
 against the reference (up to ``--reference-max`` tokens) and against fla. "k3 ms" is the
 launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported as
 "groups"); ``--groups`` also times given group sizes (0: none). ``--profile``: device ms
-per kernel of one call of ours and of fla's (torch profiler).
+per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
+launch settings (preparation warps, state-pass stages, state columns per program; the
+module's tables patched for the call), ms per setting.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -76,6 +79,21 @@ def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+#: --sweep's settings: (preparation warps, state-pass stages, state columns per program)
+SWEEP = [(4, 1, 32), (8, 2, 32), (4, 2, 32), (8, 2, 64), (8, 1, 64)]
+
+
+@contextlib.contextmanager
+def launch_settings(prep_warps: int, stages: int, block_x: int):
+    """The CUDA launch tables of kda_prefill / kda_prefill_scan set for the block's calls."""
+    saved = dict(kp.WARPS["cuda"]), dict(kp.SCAN_STAGES), scan.BLOCK_X
+    kp.WARPS["cuda"]["prep"], kp.SCAN_STAGES["cuda"], scan.BLOCK_X = prep_warps, stages, block_x
+    try:
+        yield
+    finally:
+        kp.WARPS["cuda"], kp.SCAN_STAGES, scan.BLOCK_X = saved[0], saved[1], saved[2]
+
+
 def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
     """Device ms per kernel name of one call (after the timed ones: compiled and warm)."""
     from torch.profiler import ProfilerActivity, profile
@@ -100,6 +118,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reference-max", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true", help="ours at other warps / stages / state tiles")
     ap.add_argument("--profile", action="store_true", help="device time per kernel of ours and fla's")
     ap.add_argument("--groups", type=int, nargs="*", default=[], help="chunk-group sizes to time too (0: none)")
     args = ap.parse_args()
@@ -131,6 +150,10 @@ def main() -> None:
             row["k3 ms"] = round(timed(ours, x), 3)
             for G in args.groups:
                 row[f"k3 groups={G} ms"] = round(timed(lambda x, s: ours(x, s, G), x), 3)
+            if args.sweep:
+                for prep_warps, stages, block_x in SWEEP:
+                    with launch_settings(prep_warps, stages, block_x):
+                        row[f"k3 prep w{prep_warps} stages {stages} x{block_x} ms"] = round(timed(ours, x), 3)
             print(json.dumps(row), flush=True)
             if args.profile:
                 for name, fn in {"k3": ours, **peers}.items():

@@ -281,7 +281,7 @@ def test_split_k_w13_matches_and_leaves_its_counters_at_zero(poisoned, plan):
 
 
 def test_large_batches(poisoned):
-    """T = 256 grouped (1024 pairs: 16 align chunks, several blocks per expert); the pair-major
+    """T = 256 grouped (1024 pairs, several blocks per expert); the pair-major
     path at T = 64 with top_k = 1 (each of its programs costs the interpreter ~30 ms)."""
     _run_case(256, 4, SHAPE_A, GROUPED_64, "random", seed=7, check_op=False)
     _run_case(64, 1, SHAPE_B, PAIR_WIDE, "random", seed=8, check_op=False)
@@ -389,18 +389,16 @@ def test_tolerances_catch_a_dropped_slot():
 
 
 def test_align_tables():
-    """The align kernel's layout: each expert's pairs in pair order, segments padded to
-    BLOCK_M with the sentinel P, per-block experts, -1 past the used blocks (E = 896, K3's
-    top_k, 5 chunks of pairs)."""
+    """The grouped layout (moe.align_pairs): each expert's pairs in pair order, segments
+    padded to BLOCK_M with the sentinel P, per-block experts, -1 past the used blocks
+    (E = 896, K3's top_k)."""
     gen = torch.Generator().manual_seed(51)
     T, K, E, block_m = 20, 16, 896, 16
     ids = torch.randint(0, 40, (T, K), generator=gen)  # crowded: several blocks for some experts
     P = T * K
     n_blocks = moe.grouped_blocks(P, E, block_m)
-    sorted_pairs = torch.full((n_blocks * block_m,), -7, dtype=torch.int32, device=DEVICE)
-    block_expert = torch.full((n_blocks,), -7, dtype=torch.int32, device=DEVICE)
-    moe._align_kernel[(1,)](ids.to(DEVICE), sorted_pairs, block_expert, P, n_blocks, block_m, E_POW2=1024,
-                            CHUNK=moe.ALIGN_CHUNK)
+    sorted_pairs, block_expert = moe.align_pairs(ids.flatten().to(DEVICE), E, block_m, n_blocks)
+    assert sorted_pairs.shape == (n_blocks * block_m,) and block_expert.shape == (n_blocks,)
     sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
     want_pairs, want_experts = [], []
     flat = ids.flatten()
@@ -419,7 +417,9 @@ def test_plans_and_dispatch():
     sm90 = moe.PLANS["sm_90"]
     assert moe.choose_plan(16) == sm90.pair  # batch 1
     assert moe.choose_plan(sm90.grouped_min_pairs - 1) == sm90.pair
-    assert moe.choose_plan(sm90.grouped_min_pairs) == moe.choose_plan(4096 * 16) == sm90.grouped  # decode and prefill
+    assert moe.choose_plan(sm90.grouped_min_pairs) == moe.choose_plan(1024 * 16) == sm90.grouped  # decode, prefill
+    assert moe.choose_plan(sm90.prefill_min_pairs - 1) == sm90.grouped
+    assert moe.choose_plan(sm90.prefill_min_pairs) == moe.choose_plan(32768 * 16) == sm90.prefill  # long prefill
     assert moe.grouped_blocks(1024, 896, 16) == 64 + 896 and moe.grouped_blocks(10, 896, 64) == 1 + 10
     fitted = moe._fit(moe.GemmPlan(64, 256), rows=48, kd=96)
     assert (fitted.block_n, fitted.block_k) == (64, 32)  # 96 = 3 x 32: K steps of 32
@@ -490,13 +490,20 @@ def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
     return jobs
 
 
+#: the most 32-bit words a thread of the H200's long-prefill w13 product may spill: two
+#: [128, 128] fp32 accumulators (gate and up) per 8 warps (observed 118; the fastest of the
+#: plans measured, BENCHMARKS.md)
+PREFILL_W13_SM90_SPILLS = 128
+
+
 def test_aot_every_default_specialisation_fits(aot_reports):
     for (target, name), res in aot_reports.items():
-        assert res.fits and res.spills == 0 and res.registers, (target, name, res)
+        allowed = PREFILL_W13_SM90_SPILLS if (target, name[:17]) == ("sm_90", "w13_grouped_prefi") else 0
+        assert res.fits and res.spills <= allowed and res.registers, (target, name, res)
     names = {name for _, name in aot_reports}
-    assert {"route", "combine", "align"} <= names
+    assert {"route", "combine"} <= names
     for target in TARGETS:  # what the launchers pick at K3's shapes, batch 1 to prefill, is compiled
-        for pairs in (16, 256, 1024, 4096 * 16):
+        for pairs in (16, 256, 1024, 4096 * 16, 32768 * 16):
             plan = moe.choose_plan(pairs, target)
             for kind, g in (("w13", moe._fit(plan.w13, 384, 3584)), ("w2", moe._fit(plan.w2, 3584, 384))):
                 assert any(n.startswith(kind) and n.endswith(str(g)) and ("grouped" in n) == plan.grouped

@@ -66,11 +66,13 @@ HEAD_SLICE = 64
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
-#: warps of the two kernels per backend, from the AOT resources at K3's shapes (bf16):
-#: the fewest spills (sm_90 at 8 warps: none in the preparation, 14 bytes a thread in the
-#: scan, hundreds or thousands at 4; AMD, with up to 512 VGPRs a lane: none at 4); one
-#: pipeline stage
-WARPS = {"cuda": {"prep": 8, "scan": 8}, "hip": {"prep": 4, "scan": 4}}
+#: warps of the preparation and of the state pass / group scan / outputs per backend, and
+#: the latter's software-pipeline stages (their loads do not depend on the carried state).
+#: CUDA: the fastest of an H200 sweep (benchmarks/kda_prefill.py --sweep, BENCHMARKS.md),
+#: none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
+#: workgroups per gfx950 CU), one stage until measured
+WARPS = {"cuda": {"prep": 4, "scan": 8}, "hip": {"prep": 4, "scan": 4}}
+SCAN_STAGES = {"cuda": 2, "hip": 1}
 
 
 @counted
@@ -301,7 +303,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X, D, DV)
     chunk_states = torch.empty((worst, H, D, DV), **f32)
-    c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"], "num_stages": 1}
+    c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
+         "num_stages": SCAN_STAGES["hip" if torch.version.hip else "cuda"]}
     if group_chunks is None:
         group_chunks = scan.group_size(N, H, DV // bx, worst, scan.compute_units(dev)) or 0
     if group_chunks:
@@ -357,7 +360,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
                          {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True}),
                         ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx}),
                         ("kda_prefill outputs", scan._kda_chunk_output_kernel, {**dims, "BT": CHUNK, "BV": bx})):
-        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"]))
+        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[backend]))
     return launches
 
 

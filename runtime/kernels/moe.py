@@ -37,19 +37,19 @@ shapes only, for the worst case, with early exit):
   (``SPLIT_K``): the last split to arrive at its tile's counter sums the partials in split
   order and finishes the SiTU-GLU. A warp's MMA tile is 16 weight rows: 16-row tiles run
   one warp per program (with more, every warp decodes the same tile).
-- ``_align_kernel`` (grouped only): ONE program groups the pairs by expert: a histogram
-  of ids (``tl.histogram`` over chunks), segments padded to multiples of BLOCK_M
-  (``tl.cumsum``), per-block expert ids (-1 for the unused blocks of the worst-case grid
-  ``cdiv(P, BLOCK_M) + min(E, P)``), then each pair's slot = its expert's cursor
-  (``tl.gather`` from registers) + its rank among the chunk's earlier pairs of the same
-  expert (a pairwise compare): pairs of an expert stay in pair order, so the layout, and
-  the result, are deterministic. Padding slots hold the sentinel P.
+- :func:`align_pairs` (grouped only, torch ops): groups the pairs by expert: a stable sort
+  of the ids (an expert's pairs stay in pair order, so the layout, and the result, are
+  deterministic), per-expert counts padded to multiples of BLOCK_M, per-block expert ids
+  (-1 for the unused blocks of the worst-case grid ``cdiv(P, BLOCK_M) + min(E, P)``), each
+  pair's slot = its expert's first slot + its rank among the expert's pairs. Padding slots
+  hold the sentinel P. (A single-program Triton kernel did this before: 91 ns a pair, 48
+  ms at a 32K-token prefill's 524,288 pairs; BENCHMARKS.md.)
 - ``_combine_kernel``: ``out[t] = sum_k weights[t, k] * y[t * top_k + k]`` in fp32, in k
   order (no atomics: deterministic), stored in z's dtype; 1024 columns of a token per
   program.
 
-Launches: experts pair-major 3 (w13, w2, combine), grouped 4 (align + the
-same three). The path and tiles come from a per-target :class:`MoePlan` table
+Launches: experts pair-major 3 (w13, w2, combine), grouped the align's torch ops and the
+same three. The path and tiles come from a per-target :class:`MoePlan` table
 (:func:`choose_plan`): pair-major below ``grouped_min_pairs`` pairs (T * top_k).
 
 Numerics: the weights enter the matrix unit as exact bf16 values (E2M1 x 2^k), bf16 z and
@@ -89,45 +89,11 @@ from k3compile.runtime.kernels.moe_plans import (  # noqa: F401  (the plans are 
     PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, device_target, grouped_blocks,
 )
 
-ALIGN_CHUNK = 64  # pairs per step of the align kernel (a [64, 64] compare for the ranks)
 COMBINE_BLOCK = 1024  # output columns per combine program, one token each (56 registers on sm_90, 62 VGPRs on
 # gfx950; 4 tokens: 144 / 260); 4 tokens per program under the interpreter, whose cost is per program
 
 
 # --------------------------------------------------------------------------- kernels
-
-
-@counted
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, n_blocks, BLOCK_M,
-                  E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """One program. sorted[b * BLOCK_M + j]: the j-th pair of block b (P = padding);
-    block_expert[b]: its expert, -1 for blocks past the used ones. (BLOCK_M is a runtime
-    argument: one compiled align kernel serves every plan.)"""
-    experts = tl.arange(0, E_POW2)
-    lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_POW2], dtype=tl.int32)
-    for c0 in range(0, P, CHUNK):
-        m = c0 + lane < P
-        e = tl.load(ids_ptr + c0 + lane, mask=m, other=0).to(tl.int32)
-        counts += tl.histogram(e, E_POW2, mask=m)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    starts = tl.cumsum(blocks, axis=0) - blocks  # first block of each expert
-    for j in range(0, tl.max(blocks, axis=0)):
-        tl.store(block_expert_ptr + starts + j, experts, mask=j < blocks)
-    for b0 in range(tl.sum(blocks, axis=0), n_blocks, CHUNK):
-        tl.store(block_expert_ptr + b0 + lane, -1, mask=b0 + lane < n_blocks)
-    for j in range(0, BLOCK_M):  # the padding slots of each expert's last block
-        tl.store(sorted_ptr + starts * BLOCK_M + counts + j, P, mask=counts + j < blocks * BLOCK_M)
-    cursor = starts * BLOCK_M
-    earlier = lane[None, :] < lane[:, None]
-    for c0 in range(0, P, CHUNK):
-        m = c0 + lane < P
-        e = tl.load(ids_ptr + c0 + lane, mask=m, other=0).to(tl.int32)
-        same = (e[:, None] == e[None, :]) & earlier & m[None, :]
-        slot = tl.gather(cursor, e, 0) + tl.sum(same.to(tl.int32), axis=1)
-        tl.store(sorted_ptr + slot, c0 + lane, mask=m)
-        cursor += tl.histogram(e, E_POW2, mask=m)
 
 
 @triton.jit
@@ -440,6 +406,25 @@ def _check_experts(z: Tensor, weights: Tensor, ids: Tensor, w1p: Tensor, w1s: Te
     return T, D, I, E, K
 
 
+def align_pairs(ids: Tensor, experts: int, block_m: int, n_blocks: int) -> tuple[Tensor, Tensor]:
+    """The grouped layout of pairs with experts ``ids`` [P] (module docstring): (sorted
+    [n_blocks * block_m] int32, pair of each slot, P for padding; block_expert [n_blocks]
+    int32, -1 past the used blocks). Torch ops only, no host synchronisation (CUDA graphs
+    capture it)."""
+    P = ids.numel()
+    dev = ids.device
+    counts = torch.zeros(experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    blocks = (counts + block_m - 1) // block_m
+    block_ends = torch.cumsum(blocks, 0)
+    order = torch.sort(ids, stable=True).indices  # pairs by expert, each expert's in pair order
+    e = ids[order]
+    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[e]
+    sorted_pairs = torch.full((n_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pairs[(block_ends - blocks)[e] * block_m + rank] = order.to(torch.int32)
+    block_expert = torch.searchsorted(block_ends, torch.arange(n_blocks, device=dev), right=True)
+    return sorted_pairs, torch.where(block_expert < experts, block_expert, -1).to(torch.int32)
+
+
 def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor, w1_scale: Tensor,
                       w3_packed: Tensor, w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
                       situ_beta: float, situ_linear_beta: float, plan: MoePlan | None = None) -> Tensor:
@@ -460,10 +445,7 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     y = _empty((P, D), torch.float32, dev)
     if plan.grouped:
         n_blocks = grouped_blocks(P, E, plan.block_m)
-        sorted_pairs = _empty((n_blocks * plan.block_m,), torch.int32, dev)
-        block_expert = _empty((n_blocks,), torch.int32, dev)
-        _align_kernel[(1,)](ids, sorted_pairs, block_expert, P, n_blocks, plan.block_m,
-                            E_POW2=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=4)
+        sorted_pairs, block_expert = align_pairs(ids.view(-1), E, plan.block_m, n_blocks)
     else:
         n_blocks, sorted_pairs, block_expert = P, ids, ids  # not read
     common = {"TOP_K": K, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m, "ROUND_BY_HAND": _INTERPRETED}
@@ -513,19 +495,16 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
                  dtype: torch.dtype = torch.bfloat16, plans: TargetPlans | None = None) -> list[KernelLaunch]:
     """Every specialisation the launchers pick with ``plans`` (default: ``target``'s) at
     one TP8 rank's K3 shapes: routing (``routing.aot_requests``), combine, and per
-    distinct plan the align kernel (grouped) and the w13 / w2 products. Integer arguments
+    distinct plan the w13 / w2 products. Integer arguments
     that are multiples of 16 there are marked so, as Triton's JIT specialises them."""
     t = TRITON_DTYPES[dtype]
     launches = routing.aot_requests(E, top_k)
     c = {"TOP_K": top_k, "BLOCK_T": 1, "BLOCK_D": COMBINE_BLOCK, "ROUND_BY_HAND": False}
     launches.append(KernelLaunch("combine", _combine_kernel, launch_signature(_combine_kernel, {
         "y_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}, c), c, 4, 1, ("D",)))
-    c = {"E_POW2": triton.next_power_of_2(E), "CHUNK": ALIGN_CHUNK}
-    launches.append(KernelLaunch("align", _align_kernel, launch_signature(_align_kernel, {
-        "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}, c), c, 4))
     plans = plans or PLANS[target]
     seen = set()
-    for label, plan in (("pair", plans.pair), ("grouped", plans.grouped)):
+    for label, plan in (("pair", plans.pair), ("grouped", plans.grouped), ("grouped_prefill", plans.prefill)):
         for glu, g, n, kd in ((True, _fit(plan.w13, I, D), I, D), (False, _fit(plan.w2, D, I), D, I)):
             key = (glu, plan.grouped, plan.block_m, g)
             if key in seen:

@@ -52,11 +52,13 @@ class MoePlan:
 @dataclass(frozen=True)
 class TargetPlans:
     """A target's defaults: pair-major below ``grouped_min_pairs`` pairs (T * top_k),
-    grouped from there (decode batches and prefill alike)."""
+    grouped from there, and grouped with prefill-sized tiles from ``prefill_min_pairs``."""
 
     pair: MoePlan
     grouped: MoePlan
     grouped_min_pairs: int
+    prefill: MoePlan
+    prefill_min_pairs: int
 
 
 # H200 (132 SMs), from benchmarks/moe_probe.py and moe_layer.py (BENCHMARKS.md). Pair-major
@@ -67,20 +69,28 @@ class TargetPlans:
 # pairs (T = 192). Tile variants of the vector plan were within 5% of each other at every
 # batch. On the grouped path a warp's MMA tile is 16 weight rows (with more warps every
 # warp decoded the same tile), one warp per 16-row tile; 64-row (wgmma) tiles were slower,
-# prefill included (16-pair blocks: 6.5 against 12.7 ms at 1,024 tokens).
+# prefill of 1,024 tokens included (16-pair blocks: 6.5 against 12.7 ms). Long prefills
+# (benchmarks/moe_probe.py at T = 4,096 and 32,768): blocks of 128 pairs against 128-row
+# wgmma tiles of 8 warps were the fastest of seven plans, 14.9 against 15.6 ms and 73
+# against 112 ms (w13 spills 118 words a thread there; BENCHMARKS.md).
 _SM90 = TargetPlans(
     pair=MoePlan(False, 1, GemmPlan(64, 128, 4, 1, split_k=4), GemmPlan(64, 128, 4, 1)),
     grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 4), GemmPlan(16, 128, 1, 3)),
     grouped_min_pairs=3072,  # T = 192 at top_k 16
+    prefill=MoePlan(True, 128, GemmPlan(128, 128, 8, 3), GemmPlan(128, 128, 8, 3)),
+    prefill_min_pairs=65536,  # T = 4,096
 )
 # MI355X / MI300X (256 / 304 CUs, 64-wide waves): the matrix unit on both paths (gfx950
 # decodes E2M1 in hardware there, where the H200 decodes it in software), one warp per
 # 16-row tile, two stages (the AMD stream pipeliner's default). From the AOT resources (no
 # spills), not measured on hardware; the vector-unit plan compiles for both (CI).
+_CDNA_GROUPED = MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2))
 _CDNA = TargetPlans(
     pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
-    grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
+    grouped=_CDNA_GROUPED,
     grouped_min_pairs=512,
+    prefill=_CDNA_GROUPED,  # larger tiles wait for an AMD GPU to measure them on
+    prefill_min_pairs=65536,
 )
 PLANS: dict[str, TargetPlans] = {"sm_90": _SM90, "gfx950": _CDNA, "gfx942": _CDNA}
 
@@ -97,7 +107,9 @@ def device_target(device: torch.device) -> str:
 def choose_plan(pairs: int, target: str = "sm_90") -> MoePlan:
     """The default plan for ``pairs`` (T * top_k) routed pairs."""
     plans = PLANS[target]
-    return plans.pair if pairs < plans.grouped_min_pairs else plans.grouped
+    if pairs < plans.grouped_min_pairs:
+        return plans.pair
+    return plans.grouped if pairs < plans.prefill_min_pairs else plans.prefill
 
 
 def _fit(g: GemmPlan, rows: int, kd: int) -> GemmPlan:
