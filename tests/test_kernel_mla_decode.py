@@ -355,8 +355,11 @@ def test_naive_prefill_op_through_the_absorbed_kernel_matches_its_reference(dtyp
     model dtype where the reference keeps fp32 (2^-6 of the largest value in bf16)."""
     from k3compile.ops.mla import mla_prefill_reference
 
+    from k3compile.runtime.kernels import mla_prefill_expanded as ex
+
     H, L, R, Dn, Dv, bs = 12, 64, 8, 16, 16, 8
-    ctx, new = [13, 6, 21], [5, 6, 1]
+    ctx, new = [90, 70, 120], [2, 1, 1]  # a few new tokens after history: the absorbed form
+    assert ex.prefill_form(ex.PrefillCounts(tuple(new), tuple(ctx)), H, L, R, Dn, Dv) == "absorbed"
     gen = torch.Generator().manual_seed(7)
     _, cache, table, seq_lens, _ = case(H, L, R, ctx, block_size=bs, dtype=dtype, seed=7)
     q = torch.randn(sum(new), H, Dn + R, generator=gen).to(dtype)
@@ -369,6 +372,14 @@ def test_naive_prefill_op_through_the_absorbed_kernel_matches_its_reference(dtyp
     assert got.shape == want.shape == (sum(new), H, Dv) and got.dtype == dtype
     err = float((got.cpu().float() - want.float()).abs().max() / want.float().abs().max())
     assert err <= (1e-5 if dtype == torch.float32 else 2.0**-6), err
+
+
+def test_prefill_grid_fits_cuda_limits_at_a_million_tokens():
+    """CUDA grids allow 2^31 - 1 programs on the first axis, 65,535 on the others: the
+    absorbed prefill's row tiles (tokens x heads / 16) go first. A 128K-token prompt at 12
+    heads failed to launch with them second (98,304 tiles; H200, BENCHMARKS.md)."""
+    tiles, sequences = ak.attention_grid(8, 1 << 20, 96, mc.HEAD_TILE)
+    assert tiles == (1 << 20) * 96 // 16 < 2**31 and sequences == 8 <= 65535
 
 
 def test_prefill_rejects_bad_cu_seqlens():

@@ -63,7 +63,7 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr, KV_FP8: tl.constexpr, CONTEXT_SPLIT: tl.constexpr,
 ):
-    """Program (sequence n, row tile): BLOCK_M rows (token, head) of n's new tokens
+    """Program (row tile, sequence n): BLOCK_M rows (token, head) of n's new tokens
     against every position they see. Row (t, h) sees context positions up to t's own
     (the sequence's new tokens are its last positions, already in the cache).
 
@@ -78,7 +78,7 @@ def _mla_attention_kernel(
     DCP member's positions (``k3::mla_prefill_partial``): a row sees the local rows whose
     global positions are up to its own, the first ``_local_length(its position + 1)``.
     o/lse: the final [tokens, H, L] / [tokens, H] outputs."""
-    n = tl.program_id(0)
+    n = tl.program_id(1)
     if DECODE:
         start = n
         n_new = 1
@@ -87,7 +87,7 @@ def _mla_attention_kernel(
         n_new = tl.load(cu_seqlens_ptr + n + 1) - start
     ctx = tl.load(seq_lens_ptr + n)
 
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_new * num_heads
     tok = rows // num_heads
     head = rows % num_heads
@@ -197,6 +197,12 @@ def _attention_constexprs(kernel: MLAKernel, qk_dim: int, value_dim: int, dtype:
 # ---------------------------------------------------------------------------------------
 
 
+def attention_grid(sequences: int, max_new_tokens: int, heads: int, block_m: int) -> tuple[int, int]:
+    """(row tiles, sequences): the row tiles on the first axis, the only one CUDA lets
+    exceed 65,535 (a 128K-token prompt at 12 heads is 98,304 tiles of 16 rows)."""
+    return triton.cdiv(max_new_tokens * heads, block_m), sequences
+
+
 def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor | None, block_table: Tensor,
             seq_lens: Tensor, scale: float, value_dim: int, max_new_tokens: int,
             block_n: int | None, split: tuple[Tensor, int, int] | None = None) -> tuple[Tensor, Tensor]:
@@ -213,8 +219,7 @@ def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor |
     c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n, is_fp8_cache(kv_cache),
                               context_split=split is not None)
     offset, dcp, interleave = split if split is not None else (seq_lens, 1, 1)  # (the offset unread then)
-    grid = (seq_lens.shape[0], triton.cdiv(max_new_tokens * H, c["BLOCK_M"]))
-    _mla_attention_kernel[grid](
+    _mla_attention_kernel[attention_grid(seq_lens.shape[0], max_new_tokens, H, c["BLOCK_M"])](
         q, kv_cache, seq_lens if cu_seqlens is None else cu_seqlens, block_table, seq_lens, offset, o, lse,
         scale * LOG2E, H, dcp * interleave, interleave,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
