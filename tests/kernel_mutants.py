@@ -61,6 +61,7 @@ CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_ker
 MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
 KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation or stronger")
+MLA_EXPANDED = Selection("tests/test_kernel_mla_prefill_expanded.py", "matches_reference or residue or fp8")
 PREFILL_PARTIAL = Selection("tests/test_kernel_mla_decode.py", "prefill_partial")
 SHORT_CONV = Selection("tests/test_kernel_short_conv.py", "ragged")
 
@@ -178,9 +179,22 @@ MUTANTS = [
     Mutant("kda_prefill_inverse_block_sign", "runtime/kernels/kda_prefill.py",
            "T_ab = -tl.dot(T_aa, acc", "T_ab = tl.dot(T_aa, acc", KDA_PREFILL,
            "KDA prefill: (I + A)^-1's blocks below the diagonal with the wrong sign"),
-    Mutant("kda_prefill_start_state_not_decayed", "runtime/kernels/kda_prefill.py",
-           "S = GL[:, None] * S + tl.dot(KEt, U", "S = S + tl.dot(KEt, U", KDA_PREFILL,
+    Mutant("kda_prefill_start_state_not_decayed", "runtime/kernels/kda_prefill_scan.py",
+           "X = GL[:, None] * X + tl.dot(KEt, Y", "X = X + tl.dot(KEt, Y", KDA_PREFILL,
            "KDA prefill: the state carried to the next chunk skips the chunk's decay"),
+    Mutant("kda_group_summary_starts_at_zero", "runtime/kernels/kda_prefill_scan.py",
+           "X = tl.where(dk[:, None] == cols[None, :], 1.0, 0.0)", "X = tl.where(dk[:, None] == cols[None, :], 0.0, 0.0)",
+           KDA_PREFILL, "KDA prefill: a chunk group's map M starts from 0, not I (start states lost)"),
+    Mutant("kda_state_pass_u_uncorrected", "runtime/kernels/kda_prefill_scan.py",
+           "            tl.store(u_tile, Y)\n", "", KDA_PREFILL,
+           "KDA prefill: the outputs read U~ instead of the values corrected by the chunk's start state"),
+    Mutant("mla_expanded_causal_off_by_one", "runtime/kernels/mla_prefill_expanded.py",
+           "s = tl.where(pos[None, :] < row_end[:, None], s, float(\"-inf\"))",
+           "s = tl.where(pos[None, :] <= row_end[:, None], s, float(\"-inf\"))", MLA_EXPANDED,
+           "expanded MLA prefill: each token also sees the next position"),
+    Mutant("mla_expanded_unmasked_too_far", "runtime/kernels/mla_prefill_expanded.py",
+           "unmasked = (history + m0 + 1) // BLOCK_N * BLOCK_N", "unmasked = (history + m0 + BLOCK_N) // BLOCK_N * BLOCK_N",
+           MLA_EXPANDED, "expanded MLA prefill: the tile holding the diagonal runs without the causal mask"),
     Mutant("prefill_partial_global_limits", "runtime/kernels/mla_attention.py",
            "row_end = _local_length(row_end, cycle, interleave, tl.load(position_offset_ptr).to(tl.int32))",
            "row_end = row_end  # mutant", PREFILL_PARTIAL,
