@@ -59,3 +59,18 @@ def replay_time(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3)
     return statistics.median(times)
+
+
+def eager_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Milliseconds per eager call of ``fn`` (what prefill runs: no graph), CUDA events, the
+    median of ``repeats`` after one warm-up call."""
+    times = []
+    for i in range(repeats + 1):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        if i:
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)

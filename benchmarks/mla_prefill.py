@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import eager_time as timed
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.ops.kda import short_conv_prefill_reference
@@ -38,20 +38,6 @@ H, L, R, DN, DV, BLOCK = 12, 512, 64, 128, 128, 64
 #: expanded-kernel configs --sweep times (block_m, block_n, warps, stages)
 SWEEP = [ex.ExpandedConfig(*c) for c in [(128, 64, 8, 1), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
                                          (128, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3)]]
-
-
-def timed(fn, repeats: int = 5) -> float:
-    """ms per call of ``fn()``, median after one warm-up call."""
-    times = []
-    for i in range(repeats + 1):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        if i:
-            times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def matmul_flops_per_s() -> float:

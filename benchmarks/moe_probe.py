@@ -5,7 +5,8 @@
     python benchmarks/moe_probe.py kernels --batches 1 16 64 --plans PLAN ...   # time per kernel
 
 PLAN is ``pair|grouped:BLOCK_M:w13 n,k,warps,stages:w2 n,k,warps,stages`` (e.g.
-``pair:16:16,128,1,4:16,128,1,3``). ``time`` prints each plan's time per call (CUDA graph
+``pair:16:16,128,1,4:16,128,1,3``), or ``dequant`` (``moe_dequant.py``, eager: it reads the
+experts' pair counts on the host, so no graph; ``time`` only). ``time`` prints each plan's time per call (CUDA graph
 of ``--calls`` calls with their own routing, as benchmarks/moe_layer.py) over the floor of
 the distinct experts' bytes, and the routing kernel's time at several warp counts;
 ``kernels`` the same graphs' device time per kernel and call (``torch.profiler`` over
@@ -19,9 +20,9 @@ import json
 import os
 
 import torch
-from gpu_timing import copy_bandwidth, graph_time
+from gpu_timing import copy_bandwidth, eager_time, graph_time
 from moe_layer import D, E, TOP_K, make_weights
-from k3compile.runtime.kernels import moe, routing
+from k3compile.runtime.kernels import moe, moe_dequant, routing
 
 import k3compile.ops  # noqa: F401
 
@@ -95,11 +96,15 @@ def main() -> None:
         distinct = sum(int(torch.unique(ids).numel()) for _, _, ids in sets) / len(sets)
         floor = distinct * per_expert / bandwidth
         for text in args.plans:
-            plan = parse_plan(text)
-            if not plan.grouped and T * TOP_K > 4096:
-                continue
-            fns = [lambda s=s: moe.moe_experts_mxfp4(*s, *weights, 4.0, 25.0, plan=plan) for s in sets]
-            t = graph_time(fns, 20)
+            if text == "dequant":
+                fns = [lambda s=s: moe_dequant.moe_experts_dequantized(*s, *weights, 4.0, 25.0) for s in sets]
+                t = sum(eager_time(fn, 10) for fn in fns) / len(fns) / 1e3
+            else:
+                plan = parse_plan(text)
+                if not plan.grouped and T * TOP_K > 4096:
+                    continue
+                fns = [lambda s=s: moe.moe_experts_mxfp4(*s, *weights, 4.0, 25.0, plan=plan) for s in sets]
+                t = graph_time(fns, 20)
             rows.append({"T": T, "plan": text, "us": round(t * 1e6, 1), "x_floor": round(t / floor, 2)})
             print(json.dumps(rows[-1]), flush=True)
         logits = [torch.randn(T, E, generator=gen, device="cuda") for _ in range(args.calls)]

@@ -319,8 +319,10 @@ def _expert_gemm_kernel(
 
 @counted
 @triton.jit
-def _combine_kernel(y_ptr, weights_ptr, out_ptr, T, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr, ROUND_BY_HAND: tl.constexpr):
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, rows_ptr, T, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr, ROUND_BY_HAND: tl.constexpr, GATHER: tl.constexpr):
+    """out[t] = sum_k weights[t, k] y[row of pair t * TOP_K + k]: that row itself, or with
+    GATHER ``rows[pair]`` (y laid out in another order)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = t < T
@@ -329,7 +331,10 @@ def _combine_kernel(y_ptr, weights_ptr, out_ptr, T, D, TOP_K: tl.constexpr, BLOC
     acc = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float32)
     for k in tl.static_range(TOP_K):  # k order: deterministic
         w = tl.load(weights_ptr + pair + k, mask=t_ok, other=0.0)
-        acc += w[:, None] * tl.load(y_ptr + (pair + k)[:, None] * D + d[None, :], mask=m, other=0.0)
+        row = pair + k
+        if GATHER:
+            row = tl.load(rows_ptr + row, mask=t_ok, other=0).to(tl.int64)
+        acc += w[:, None] * tl.load(y_ptr + row[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
     if ROUND_BY_HAND and out_ptr.dtype.element_ty == tl.bfloat16:
         # fp32 -> the nearest bf16 value (ties to even), still fp32: Triton's interpreter casts
         # fp32 to bf16 by truncation where GPUs round to nearest even, so under TRITON_INTERPRET
@@ -467,23 +472,44 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
         SCALE_WORDS=_scale_words(I, g2.block_k, w2_scale),
         PREFETCH_X=_prefetch_x(g2, plan.block_m), SPLIT_K=1,
         **common, num_warps=g2.num_warps, num_stages=g2.num_stages)
-    block_t = 4 if _INTERPRETED else 1
-    _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, COMBINE_BLOCK))](
-        y, weights, out, T, D, TOP_K=K, BLOCK_T=block_t, BLOCK_D=COMBINE_BLOCK, ROUND_BY_HAND=_INTERPRETED,
-        num_warps=4)
+    combine(y, weights, out)
     return out
 
 
+def combine(y: Tensor, weights: Tensor, out: Tensor, rows: Tensor | None = None) -> None:
+    """out [T, D] = the weighted sum over each token's top_k pairs of y's rows (pair order,
+    or ``rows[pair]``), in k order, fp32, rounded once to out's dtype."""
+    T, K = weights.shape
+    D = out.shape[1]
+    block_t = 4 if _INTERPRETED else 1
+    _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, COMBINE_BLOCK))](
+        y, weights, out, y if rows is None else rows, T, D, TOP_K=K, BLOCK_T=block_t, BLOCK_D=COMBINE_BLOCK,
+        ROUND_BY_HAND=_INTERPRETED, GATHER=rows is not None, num_warps=4)
+
+
+def dequantized_path(pairs: int, z: Tensor) -> bool:
+    """Whether ``k3::moe_experts_mxfp4`` runs dequantised (``moe_dequant.py``): from the
+    target's ``dequant_min_pairs``, bf16 activations, outside CUDA-graph capture (it reads
+    the experts' pair counts on the host)."""
+    threshold = PLANS[device_target(z.device)].dequant_min_pairs
+    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
+    return threshold is not None and pairs >= threshold and z.dtype == torch.bfloat16 and not capturing
+
+
 def register_kernels(device_type: str) -> None:
-    """Use the experts kernel for ``k3::moe_experts_mxfp4`` on ``device_type`` tensors
-    (routing's ops: ``routing.register_kernels``; registering again replaces the same
-    function)."""
+    """Use the experts kernels for ``k3::moe_experts_mxfp4`` on ``device_type`` tensors, or
+    their dequantised path where :func:`dequantized_path` says (routing's ops:
+    ``routing.register_kernels``; registering again replaces the same function)."""
     from k3compile.ops import moe
+    from k3compile.runtime.kernels import moe_dequant  # (it builds on this module)
 
     def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
                 situ_beta, situ_linear_beta):
-        return moe_experts_mxfp4(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
-                                 situ_beta, situ_linear_beta)
+        args = (z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, situ_beta,
+                situ_linear_beta)
+        if dequantized_path(ids.numel(), z):
+            return moe_dequant.moe_experts_dequantized(*args)
+        return moe_experts_mxfp4(*args)
 
     moe.moe_experts_mxfp4.register_kernel(device_type)(experts)
 
@@ -499,9 +525,12 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
     that are multiples of 16 there are marked so, as Triton's JIT specialises them."""
     t = TRITON_DTYPES[dtype]
     launches = routing.aot_requests(E, top_k)
-    c = {"TOP_K": top_k, "BLOCK_T": 1, "BLOCK_D": COMBINE_BLOCK, "ROUND_BY_HAND": False}
-    launches.append(KernelLaunch("combine", _combine_kernel, launch_signature(_combine_kernel, {
-        "y_ptr": "*fp32", "weights_ptr": "*fp32", "out_ptr": f"*{t}"}, c), c, 4, 1, ("D",)))
+    for gather, y_type in ((False, "*fp32"), (True, f"*{t}")):  # the kernels' y; the dequantised path's
+        c = {"TOP_K": top_k, "BLOCK_T": 1, "BLOCK_D": COMBINE_BLOCK, "ROUND_BY_HAND": False, "GATHER": gather}
+        launches.append(KernelLaunch("combine" + (" gather" if gather else ""), _combine_kernel,
+                                     launch_signature(_combine_kernel, {
+                                         "y_ptr": y_type, "weights_ptr": "*fp32", "out_ptr": f"*{t}",
+                                         "rows_ptr": "*i64" if gather else y_type}, c), c, 4, 1, ("D",)))
     plans = plans or PLANS[target]
     seen = set()
     for label, plan in (("pair", plans.pair), ("grouped", plans.grouped), ("grouped_prefill", plans.prefill)):

@@ -59,6 +59,9 @@ class TargetPlans:
     grouped_min_pairs: int
     prefill: MoePlan
     prefill_min_pairs: int
+    #: from this many pairs (eager calls with bf16 activations) the experts run dequantised
+    #: to bf16 by groups with grouped GEMMs (``moe_dequant.py``); None: never
+    dequant_min_pairs: int | None = None
 
 
 # H200 (132 SMs), from benchmarks/moe_probe.py and moe_layer.py (BENCHMARKS.md). Pair-major
@@ -79,6 +82,11 @@ _SM90 = TargetPlans(
     grouped_min_pairs=3072,  # T = 192 at top_k 16
     prefill=MoePlan(True, 128, GemmPlan(128, 128, 8, 3), GemmPlan(128, 128, 8, 3)),
     prefill_min_pairs=65536,  # T = 4,096
+    # from 4,096 tokens every expert is picked ~73 times: decoding each weight once (7.4 GB of
+    # bf16 writes, ~2.5 ms at the copy bandwidth) then dense-rate grouped GEMMs (4.3 TFLOP at
+    # 32K tokens: ~8 ms at 550 TFLOP/s) against 73 ms for the best fused plan. An estimate
+    # from bytes, FLOPs and _grouped_mm's measured rate at T = 256: not yet measured here
+    dequant_min_pairs=65536,
 )
 # MI355X / MI300X (256 / 304 CUs, 64-wide waves): the matrix unit on both paths (gfx950
 # decodes E2M1 in hardware there, where the H200 decodes it in software), one warp per
