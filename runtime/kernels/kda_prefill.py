@@ -1,4 +1,5 @@
-"""KDA prefill: the chunked gated delta rule over packed sequences, in two Triton launches.
+"""KDA prefill: the chunked gated delta rule over packed sequences: the preparation
+(here) and the launcher; the state recurrence and the outputs are in ``kda_prefill_scan.py``.
 
 Semantics are those of ``torch.ops.k3.kda_prefill`` (k3compile/ops/kda.py, whose torch
 reference ``kda_chunked`` is the numerical truth and names the math): per sequence and
@@ -12,35 +13,31 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
     o        = (q e^G) S0 + Aq U
     S1       = e^{G_last} S0 + (beta k e^{G_last - G})^T U
 
-Launches:
-
-1. ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on
-   the state, for every chunk of every sequence in parallel: the norms and G (to a
-   scratch tile), A and Aq by [16, 16] blocks of sub-chunks (below the diagonal one
-   product each, the decay split at the row block's first token, e^{G_r - G_j} =
-   e^{G_r - G_ref} e^{G_ref - G_j} with both exponents <= 0, so nothing overflows however
-   strong the gate; on the diagonal one key column at a time, exponents clamped at 0),
-   T = (I + A)^-1 by blocks (the diagonal ones by forward substitution, the others by
-   products), W and U~ by two products, and the factors the scan multiplies the state by
-   (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in fp32 workspaces per (chunk, head).
-2. ``_kda_chunk_scan_kernel``, grid (sequences, heads, value tiles of BV): the sequence's
-   chunks in order, the state tile [D, BV] in registers: U, o and S1 per chunk as above (four
-   products), o stored in v's dtype, the final state stored back to ``state[slot]`` in place.
+``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on the
+state, for every chunk of every sequence in parallel: the norms and G (to a scratch
+tile); A and Aq by [16, 16] blocks of sub-chunks summed over 64-wide slices of the head
+dim, one product each with the decay split at the row block's first token (e^{G_r - G_j} =
+e^{G_r - G_ref} e^{G_ref - G_j}; below the diagonal both exponents are <= 0, so nothing
+overflows however strong the gate; on it the second reaches a sub-chunk's decay, taken as
+a product below e^80, else one key column at a time); T = (I + A)^-1 by blocks (the
+diagonal ones as a product of log2(16) factors, the others by products); W and U~; the
+factors the state pass multiplies by (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in
+fp32 workspaces per (chunk, head). Then ``kda_prefill_scan``: the state pass (by chunk
+groups where sequences x heads leave the GPU idle) and the outputs.
 
 Workspaces: fp32, about 280 KB per (chunk, head) at D = DV = 128 (the preparation's
-outputs and its scratch tiles): 1.7 GB for 32K tokens at 12 heads, freed after the call;
-``RuntimeOptions.prefill_chunk`` bounds them.
+outputs and its scratch tiles) plus each chunk's start state (64 KB): about 2 GB for 32K
+tokens at 12 heads, freed after the call; ``RuntimeOptions.prefill_chunk`` bounds them.
 
 Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
-after the previous sequences', and the first grid is sized for the worst case,
+after the previous sequences', and the grids are sized for the worst case,
 ``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
 
 Numerics: fp32 throughout; the products exact for an fp32 model, at the backend's default
 precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
-products spilled thousands of bytes per thread on sm_90, AOT). Padding rows of a
-sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they neither decay nor
-write the state, as in the reference. A sequence's chunks are scanned one after another (at
-batch 1, 12 heads x 4 value tiles are 48 programs): the chunk-group scan is next.
+products spilled thousands of bytes per thread on sm_90, AOT), the diagonal blocks'
+inverse always exact. Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and
+beta = 0, so they neither decay nor write the state, as in the reference.
 """
 
 from __future__ import annotations
@@ -83,8 +80,8 @@ def _kda_chunk_prep_kernel(
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
     scratch_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A and T [BT, BT]
     scale, H, eps,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
+    BD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -159,19 +156,19 @@ def _kda_chunk_prep_kernel(
             tl.store(aq_ptr + base * BT * BT + blk, blk_q)
     tl.debug_barrier()
 
-    # 3. T = (I + A)^-1, block lower triangular like A, by row blocks a: the diagonal block
-    # by forward substitution (row i = e_i - sum_{j<i} A[i, j] T[j, :]), then for b < a
-    # T_ab = -T_aa sum_{b<=c<a} A_ac T_cb (row blocks of T above a are written by then).
+    # 3. T = (I + A)^-1, block lower triangular like A, by row blocks a. The diagonal block
+    # A_aa = L is strictly lower, so L^BC = 0 and (I + L)^-1 = sum_n (-L)^n = (I - L)(I + L^2)
+    # (I + L^4) ... (I + L^(BC/2)): log2(BC) - 1 squarings, as exact fp32 products (small).
+    # Then for b < a, T_ab = -T_aa sum_{b<=c<a} A_ac T_cb (row blocks above a written by then).
     a_s = a_ptr + base * BT * BT
     t_s = t_ptr + base * BT * BT
     eye = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
     for a in range(BT // BC):
-        At = tl.load(a_s + (a * BC + sub)[None, :] * BT + (a * BC + sub)[:, None])  # At[j, i] = A_aa[i, j]
-        T_aa = eye
-        for i in range(1, BC):
-            a_i = tl.sum(tl.where(sub[None, :] == i, At, 0.0), axis=1)  # [BC] over j
-            new = tl.where(sub == i, 1.0, 0.0) - tl.sum(a_i[:, None] * T_aa, axis=0)
-            T_aa = tl.where(sub[:, None] == i, new[None, :], T_aa)
+        L = tl.load(a_s + (a * BC + sub)[:, None] * BT + (a * BC + sub)[None, :])
+        T_aa = eye - L
+        for _ in tl.static_range(BC_LOG2 - 1):
+            L = tl.dot(L, L, input_precision="ieee")
+            T_aa = tl.dot(T_aa, eye + L, input_precision="ieee")
         tl.store(t_s + (a * BC + sub)[:, None] * BT + (a * BC + sub)[None, :], T_aa)
         for b in range(a):
             acc = tl.zeros([BC, BC], dtype=tl.float32)
@@ -297,7 +294,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        BD=min(HEAD_SLICE, D), DOT_PRECISION=precision, num_warps=warps["prep"], num_stages=1,
+        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=min(HEAD_SLICE, D), DOT_PRECISION=precision, num_warps=warps["prep"],
+        num_stages=1,
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)
@@ -339,7 +337,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     t = TRITON_DTYPES[dtype]
     precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
-              "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": precision}
+              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "scratch_ptr",
