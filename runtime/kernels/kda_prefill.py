@@ -131,8 +131,10 @@ def _kda_chunk_prep_kernel(
                     G_a = tl.load(g_s + a * BC * D + sub_tile)
                     G_ref = tl.load(g_s + a * BC * D + dks)
                     G_b = tl.load(g_s + b * BC * D + sub_tile)
-                    span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dks), axis=0)
-                    if b < a or span < MAX_EXP:
+                    span = 0.0  # the decay over a's sub-chunk: only the diagonal block's matters
+                    if b == a:
+                        span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dks), axis=0)
+                    if span < MAX_EXP:
                         e_a = tl.exp(G_a - G_ref[None, :])
                         k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)
                         blk_a += tl.dot(k_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
