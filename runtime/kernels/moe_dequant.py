@@ -89,7 +89,7 @@ def moe_experts_dequantized(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: 
     out = torch.empty_like(z)
     if T == 0:
         return out
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()
     P = flat.numel()
     order = torch.sort(flat, stable=True).indices
     counts = torch.zeros(E, dtype=torch.int32, device=z.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
