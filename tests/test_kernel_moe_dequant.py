@@ -62,8 +62,8 @@ def test_dispatch_by_pairs_and_dtype():
     measured there)."""
     z = torch.zeros(1, 32, dtype=torch.bfloat16)
     threshold = moe.PLANS["sm_90"].dequant_min_pairs
-    assert moe.dequantized_path(threshold, z) and not moe.dequantized_path(threshold - 1, z)
-    assert not moe.dequantized_path(threshold, z.float())
+    assert moe_dequant.dequantized_path(threshold, z) and not moe_dequant.dequantized_path(threshold - 1, z)
+    assert not moe_dequant.dequantized_path(threshold, z.float())
     assert moe.PLANS["gfx950"].dequant_min_pairs is None and moe.PLANS["gfx942"].dequant_min_pairs is None
 
 

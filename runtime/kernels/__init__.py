@@ -90,9 +90,10 @@ def _import_kernel_modules() -> tuple[Any, ...]:
     """The modules that register kernels, in registration order (imported here: they import
     Triton, which importing this package must not)."""
     from k3compile.runtime.kernels import (activations, attn_res, dcp_merge, kda_decode, kda_prefill, mla_cache_write,
-                                           mla_decode, mla_input_proj, moe, moe_input, routing, rows, short_conv)
+                                           mla_decode, mla_input_proj, moe_dequant, moe_input, routing, rows,
+                                           short_conv)
 
-    return (rows, activations, attn_res, routing, moe, moe_input, mla_input_proj, mla_cache_write, mla_decode,
+    return (rows, activations, attn_res, routing, moe_dequant, moe_input, mla_input_proj, mla_cache_write, mla_decode,
             kda_decode, kda_prefill, short_conv, dcp_merge)
 
 

@@ -487,33 +487,6 @@ def combine(y: Tensor, weights: Tensor, out: Tensor, rows: Tensor | None = None)
         ROUND_BY_HAND=_INTERPRETED, GATHER=rows is not None, num_warps=4)
 
 
-def dequantized_path(pairs: int, z: Tensor) -> bool:
-    """Whether ``k3::moe_experts_mxfp4`` runs dequantised (``moe_dequant.py``): from the
-    target's ``dequant_min_pairs``, bf16 activations, outside CUDA-graph capture (it reads
-    the experts' pair counts on the host)."""
-    threshold = PLANS[device_target(z.device)].dequant_min_pairs
-    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
-    return threshold is not None and pairs >= threshold and z.dtype == torch.bfloat16 and not capturing
-
-
-def register_kernels(device_type: str) -> None:
-    """Use the experts kernels for ``k3::moe_experts_mxfp4`` on ``device_type`` tensors, or
-    their dequantised path where :func:`dequantized_path` says (routing's ops:
-    ``routing.register_kernels``; registering again replaces the same function)."""
-    from k3compile.ops import moe
-    from k3compile.runtime.kernels import moe_dequant  # (it builds on this module)
-
-    def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
-                situ_beta, situ_linear_beta):
-        args = (z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, situ_beta,
-                situ_linear_beta)
-        if dequantized_path(ids.numel(), z):
-            return moe_dequant.moe_experts_dequantized(*args)
-        return moe_experts_mxfp4(*args)
-
-    moe.moe_experts_mxfp4.register_kernel(device_type)(experts)
-
-
 # --------------------------------------------------------------------------- AOT
 
 

@@ -1,5 +1,6 @@
 """Routed experts for long prefills: the MXFP4 experts dequantised to bf16 a group of
-experts at a time, then grouped bf16 GEMMs (``torch._grouped_mm``).
+experts at a time, then grouped bf16 GEMMs (``torch._grouped_mm``); and the op's entry on
+GPUs, which picks this path or the fused kernels (``moe.py``).
 
 Semantics are those of ``torch.ops.k3.moe_experts_mxfp4`` (k3compile/ops/moe.py). From a few
 thousand tokens a prefill picks every expert many times over (a 32K-token prompt: 585 pairs
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
-from k3compile.runtime.kernels.moe import _check_experts, combine
+from k3compile.runtime.kernels.moe import PLANS, _check_experts, combine, device_target, moe_experts_mxfp4
 
 #: experts dequantised at a time (bounds the bf16 scratch)
 EXPERT_GROUP = 128
@@ -113,6 +114,30 @@ def moe_experts_dequantized(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: 
     slot[order] = torch.arange(P, device=z.device)
     combine(y, weights.float().contiguous(), out, slot)
     return out
+
+
+def dequantized_path(pairs: int, z: Tensor) -> bool:
+    """Whether ``k3::moe_experts_mxfp4`` runs dequantised: from the target's
+    ``dequant_min_pairs``, bf16 activations, outside CUDA-graph capture (this path reads the
+    experts' pair counts on the host)."""
+    threshold = PLANS[device_target(z.device)].dequant_min_pairs
+    capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
+    return threshold is not None and pairs >= threshold and z.dtype == torch.bfloat16 and not capturing
+
+
+def register_kernels(device_type: str) -> None:
+    """``k3::moe_experts_mxfp4`` on ``device_type`` tensors: this path where
+    :func:`dequantized_path` says, else the fused kernels (``moe.moe_experts_mxfp4``);
+    routing's ops: ``routing.register_kernels``. Registering again replaces the same function."""
+    from k3compile.ops import moe as moe_ops
+
+    def experts(z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                situ_beta, situ_linear_beta):
+        args = (z, weights, ids, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, situ_beta,
+                situ_linear_beta)
+        return moe_experts_dequantized(*args) if dequantized_path(ids.numel(), z) else moe_experts_mxfp4(*args)
+
+    moe_ops.moe_experts_mxfp4.register_kernel(device_type)(experts)
 
 
 def aot_requests(dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
