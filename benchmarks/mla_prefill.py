@@ -95,10 +95,10 @@ def main() -> None:
         expanded_floor = (2 * pairs * H * (DN + R + DV) + 2 * T * H * L * (DN + DV)) / peak * 1e3
         counts = ex.prefill_counts(x["cu"], x["seq_lens"])
         ctx = ex.expand_context(x["cache"], x["kv_b"], x["table"], x["seq_lens"], H, T)
-        q_abs = torch.cat([torch.einsum("thd,hdl->thl", x["q"][..., :DN], w[:, :DN]), x["q"][..., DN:]], dim=-1)
+        q_abs = mla_decode.absorb_queries(x["q"], x["kv_b"], DN)
         absorbed = lambda: mla_decode.PREFILL.launch(q_abs, x["cache"], x["cu"], x["table"], x["seq_lens"],  # noqa: E731
                                                      scale, L, max_new_tokens=T)
-        err_abs = float((torch.einsum("thl,hdl->thd", absorbed()[0], w[:, DN:]).float() - want).abs().max()
+        err_abs = float((mla_decode.values_of_latent_output(absorbed()[0], x["kv_b"], DN).float() - want).abs().max()
                         / want.abs().max())
         row = {"tokens": T, "form": ex.prefill_form(counts, H, L, R, DN, DV), "err_vs_sdpa": err,
                "err_absorbed_vs_sdpa": err_abs,

@@ -72,10 +72,9 @@ def test_mla_prefill_both_forms_at_k3_shapes():
     counts = ex.prefill_counts(cu, seq_lens)
     got = ex.mla_prefill_expanded(q, cache, kv_b, cu, table, seq_lens, (Dn + R) ** -0.5, counts)
     assert rel_err(got, want) <= 2.0**-6
-    w = kv_b.view(H, Dn + Dv, L)
-    q_abs = torch.cat([torch.einsum("thd,hdl->thl", q[..., :Dn], w[:, :Dn]), q[..., Dn:]], dim=-1)
+    q_abs = mla_decode.absorb_queries(q, kv_b, Dn)
     o_lat, _ = mla_decode.PREFILL.launch(q_abs, cache, cu, table, seq_lens, (Dn + R) ** -0.5, L)
-    assert rel_err(torch.einsum("thl,hdl->thd", o_lat, w[:, Dn:]), want) <= 2.0**-6
+    assert rel_err(mla_decode.values_of_latent_output(o_lat, kv_b, Dn), want) <= 2.0**-6
 
 
 def test_moe_dequantized_against_the_fused_kernels_at_k3_shapes():

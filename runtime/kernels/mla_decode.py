@@ -101,10 +101,20 @@ def mla_prefill_op(q: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, cu_seqlens:
     if expanded.prefill_form(counts, H, L, W - L, nope, value) == "expanded":
         return expanded.mla_prefill_expanded(q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale,
                                              counts)
-    w = kv_b_weight.view(H, -1, L)
-    q_abs = torch.cat([torch.einsum("thd,hdl->thl", q[..., :nope], w[:, :nope]), q[..., nope:]], dim=-1)
-    o, _ = PREFILL.launch(q_abs, kv_cache, cu_seqlens, block_table, seq_lens, scale, L,
+    o, _ = PREFILL.launch(absorb_queries(q, kv_b_weight, nope), kv_cache, cu_seqlens, block_table, seq_lens, scale, L,
                           max_new_tokens=counts.max_new_tokens)
+    return values_of_latent_output(o, kv_b_weight, nope)
+
+
+def absorb_queries(q: Tensor, kv_b_weight: Tensor, nope: int) -> Tensor:
+    """Naive-form queries [T, H, nope + R] -> absorbed ones [T, H, L + R]: q_nope W_UK ++ q_pe."""
+    w = kv_b_weight.view(q.shape[1], -1, kv_b_weight.shape[1])
+    return torch.cat([torch.einsum("thd,hdl->thl", q[..., :nope], w[:, :nope]), q[..., nope:]], dim=-1)
+
+
+def values_of_latent_output(o: Tensor, kv_b_weight: Tensor, nope: int) -> Tensor:
+    """The absorbed form's latent output [T, H, L] -> the naive form's [T, H, Dv]: W_UV o."""
+    w = kv_b_weight.view(o.shape[1], -1, kv_b_weight.shape[1])
     return torch.einsum("thl,hdl->thd", o, w[:, nope:])
 
 
