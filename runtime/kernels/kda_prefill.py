@@ -313,7 +313,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         n = seg.chunk0.numel()
         summary = torch.empty((n, H, D, D + DV), **f32)
         starts = torch.empty((n, H, D, DV), **f32)
-        scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](
+        scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](  # summaries: start tiles, rows, chunk states unread
             w, u, ke, gl, starts, seg.chunk0, summary, seg.chunk0, chunk_states, seg.chunk0, seg.chunks, seg.count,
             H, BT=chunk, BX=bx, SUMMARY=True, **c)
         scan._kda_group_scan_kernel[(N, H, DV // bx)](
