@@ -79,15 +79,16 @@ def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-#: --sweep's settings: (preparation warps, state-pass stages, state columns per program)
-SWEEP = [(4, 1, 32), (8, 2, 32), (4, 2, 32), (8, 2, 64), (8, 1, 64)]
+#: --sweep's settings: (preparation warps, state-pass warps, its stages, state columns per program)
+SWEEP = [(4, 8, 2, 32), (4, 4, 2, 32), (4, 4, 2, 64), (4, 8, 2, 64), (4, 8, 3, 64), (4, 4, 3, 32)]
 
 
 @contextlib.contextmanager
-def launch_settings(prep_warps: int, stages: int, block_x: int):
+def launch_settings(prep_warps: int, scan_warps: int, stages: int, block_x: int):
     """The CUDA launch tables of kda_prefill / kda_prefill_scan set for the block's calls."""
     saved = dict(kp.WARPS["cuda"]), dict(kp.SCAN_STAGES), scan.BLOCK_X
-    kp.WARPS["cuda"]["prep"], kp.SCAN_STAGES["cuda"], scan.BLOCK_X = prep_warps, stages, block_x
+    kp.WARPS["cuda"]["prep"], kp.WARPS["cuda"]["scan"] = prep_warps, scan_warps
+    kp.SCAN_STAGES["cuda"], scan.BLOCK_X = stages, block_x
     try:
         yield
     finally:
@@ -151,9 +152,9 @@ def main() -> None:
             for G in args.groups:
                 row[f"k3 groups={G} ms"] = round(timed(lambda x, s: ours(x, s, G), x), 3)
             if args.sweep:
-                for prep_warps, stages, block_x in SWEEP:
-                    with launch_settings(prep_warps, stages, block_x):
-                        row[f"k3 prep w{prep_warps} stages {stages} x{block_x} ms"] = round(timed(ours, x), 3)
+                for setting in SWEEP:
+                    with launch_settings(*setting):
+                        row["k3 prep w{} scan w{} stages {} x{} ms".format(*setting)] = round(timed(ours, x), 3)
             print(json.dumps(row), flush=True)
             if args.profile:
                 for name, fn in {"k3": ours, **peers}.items():

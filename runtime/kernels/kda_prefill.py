@@ -51,7 +51,7 @@ from torch import Tensor
 
 from k3compile.ops import kda as kda_ops
 from k3compile.ops.kda import L2NORM_EPS
-from k3compile.runtime.kernels import counted
+from k3compile.runtime.kernels import counted, interpreted
 from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 
@@ -155,7 +155,7 @@ def _kda_chunk_prep_kernel(
                 blk_q *= beta_b[None, :]
             blk = (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :]
             tl.store(a_ptr + base * BT * BT + blk, blk_a)
-            tl.store(aq_ptr + base * BT * BT + blk, blk_q)
+            tl.store(aq_ptr + base * BT * BT + blk, blk_q.to(aq_ptr.dtype.element_ty))
     tl.debug_barrier()
 
     # 3. T = (I + A)^-1, block lower triangular like A, by row blocks a. The diagonal block
@@ -194,16 +194,18 @@ def _kda_chunk_prep_kernel(
         eG_d = tl.exp(G_d)
         G_last = tl.load(g_s + (BT - 1) * D + cols_d)
         k_d = tl.load(k_s + blk)
-        tl.store(w_ptr + base * BT * D + blk, tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION))
-        tl.store(ke_ptr + base * BT * D + blk, k_d * tl.exp(G_last[None, :] - G_d) * beta[:, None])
-        tl.store(qg_ptr + base * BT * D + blk, tl.load(q_s + blk) * eG_d)
+        w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)
+        tl.store(w_ptr + base * BT * D + blk, w.to(w_ptr.dtype.element_ty))
+        ke = k_d * tl.exp(G_last[None, :] - G_d) * beta[:, None]
+        tl.store(ke_ptr + base * BT * D + blk, ke.to(ke_ptr.dtype.element_ty))
+        tl.store(qg_ptr + base * BT * D + blk, (tl.load(q_s + blk) * eG_d).to(qg_ptr.dtype.element_ty))
         tl.store(gl_ptr + base * D + cols_d, tl.exp(G_last))
     for e0 in range(0, DV, BC):
         cols_v = e0 + sub
         v_e = tl.load(v_ptr + (tok[:, None] * H + h) * DV + cols_v[None, :], mask=valid[:, None],
                       other=0.0).to(tl.float32)
-        tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + cols_v[None, :],
-                 tl.dot(Tinv, v_e, input_precision=DOT_PRECISION))
+        u = tl.dot(Tinv, v_e, input_precision=DOT_PRECISION)
+        tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + cols_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,15 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the chunk factors the state pass and the outputs multiply by (W, U, q e^G,
+    beta k e^{G_last - G}, Aq) and of the chunk start states: the model's for bf16 / fp16
+    (their products on the matrix units at full rate, half the bytes: fla-core keeps
+    them so too), fp32 for an fp32 model. A, T, G and the state carried from chunk to
+    chunk stay fp32."""
+    return torch.float32 if dtype == torch.float32 else dtype
+
+
 def kernel_takes(q: Tensor, v: Tensor, state: Tensor, chunk: int = CHUNK) -> bool:
     """Whether the kernels take these shapes (else the reference runs): head dims and the
     chunk powers of two >= 16, DV a multiple of the scan's value tile, an fp32 contiguous
@@ -285,9 +296,11 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     table = chunk_table(cu_seqlens, T, chunk)
     worst = table.seq.numel()
     f32 = {"dtype": torch.float32, "device": dev}
-    w, qg, ke = (torch.empty((worst, H, chunk, D), **f32) for _ in range(3))
-    u = torch.empty((worst, H, chunk, DV), **f32)
-    aq, a, t_inv = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(3))
+    work = {"dtype": work_dtype(v.dtype), "device": dev}
+    w, qg, ke = (torch.empty((worst, H, chunk, D), **work) for _ in range(3))
+    u = torch.empty((worst, H, chunk, DV), **work)
+    aq = torch.empty((worst, H, chunk, chunk), **work)
+    a, t_inv = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(2))
     scratch = torch.empty((worst, H, 3, chunk, D), **f32)
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -302,7 +315,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X, D, DV)
-    chunk_states = torch.empty((worst, H, D, DV), **f32)
+    chunk_states = torch.empty((worst, H, D, DV), **work)
+    fp32_dot = interpreted()  # its tl.dot multiplies bf16 bit patterns (triton#11584)
     c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
          "num_stages": SCAN_STAGES["hip" if torch.version.hip else "cuda"]}
     if group_chunks is None:
@@ -315,18 +329,19 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         starts = torch.empty((n, H, D, DV), **f32)
         scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](  # summaries: start tiles, rows, chunk states unread
             w, u, ke, gl, starts, seg.chunk0, summary, seg.chunk0, chunk_states, seg.chunk0, seg.chunks, seg.count,
-            H, BT=chunk, BX=bx, SUMMARY=True, **c)
+            H, BT=chunk, BX=bx, SUMMARY=True, FP32_DOT=fp32_dot, **c)
         scan._kda_group_scan_kernel[(N, H, DV // bx)](
             summary, starts, state, slots, groups.seq_first, groups.seq_groups, H, BV=bx, **c)
         scan._kda_state_pass_kernel[(n, H, DV // bx)](
             w, u, ke, gl, starts, torch.arange(n, device=dev), state, torch.full((n,), -1, device=dev), chunk_states,
-            seg.chunk0, seg.chunks, seg.count, H, BT=chunk, BX=bx, SUMMARY=False, **c)
+            seg.chunk0, seg.chunks, seg.count, H, BT=chunk, BX=bx, SUMMARY=False, FP32_DOT=fp32_dot, **c)
     else:
         scan._kda_state_pass_kernel[(N, H, DV // bx)](
             w, u, ke, gl, state, slots, state, slots, chunk_states, table.seq_first, table.seq_chunks,
-            table.seq_first.new_tensor([N]), H, BT=chunk, BX=bx, SUMMARY=False, **c)
+            table.seq_first.new_tensor([N]), H, BT=chunk, BX=bx, SUMMARY=False, FP32_DOT=fp32_dot, **c)
     scan._kda_chunk_output_kernel[(worst, H, DV // bx)](
-        qg, aq, u, chunk_states, o, table.cu, table.seq, table.first, table.count, H, BT=chunk, BV=bx, **c)
+        qg, aq, u, chunk_states, o, table.cu, table.seq, table.first, table.count, H, BT=chunk, BV=bx,
+        FP32_DOT=fp32_dot, **c)
     return o
 
 
@@ -336,32 +351,37 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     per-rank shapes (12 heads, D = DV = 128): the preparation, the state pass (states and
     group summaries), the group scan and the outputs."""
     warps = WARPS[backend]
-    t = TRITON_DTYPES[dtype]
+    t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
               "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
-                  **{p: "*fp32" for p in ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "gl_ptr", "scratch_ptr",
-                                          "a_ptr", "t_ptr")},
+                  **{p: f"*{wt}" for p in WORKSPACES},
+                  **{p: "*fp32" for p in ("gl_ptr", "scratch_ptr", "a_ptr", "t_ptr")},
                   "scale": "fp32", "eps": "fp32"}
     launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"])]
     bx = min(scan.BLOCK_X, head_dim)
-    fp32 = ("w_ptr", "u_ptr", "ke_ptr", "gl_ptr", "x0_ptr", "end_ptr", "chunk_states_ptr", "summary_ptr",
-            "starts_ptr", "state_ptr", "qg_ptr", "aq_ptr")
+    fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",
            "seq_group0_ptr", "seq_groups_ptr", "cu_ptr", "chunk_seq_ptr", "chunk_first_ptr", "n_chunks_ptr")
-    types = {**{p: "*fp32" for p in fp32}, **{p: "*i64" for p in i64}, "o_ptr": f"*{t}"}
+    types = {**{p: "*fp32" for p in fp32}, **{p: f"*{wt}" for p in WORKSPACES}, **{p: "*i64" for p in i64},
+             "o_ptr": f"*{t}"}
     dims = {"D": head_dim, "DV": head_dim, "DOT_PRECISION": precision}
     for name, fn, c in (("kda_prefill state pass", scan._kda_state_pass_kernel,
-                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": False}),
+                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": False, "FP32_DOT": False}),
                         ("kda_prefill group summaries", scan._kda_state_pass_kernel,
-                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True}),
+                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True, "FP32_DOT": False}),
                         ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx}),
-                        ("kda_prefill outputs", scan._kda_chunk_output_kernel, {**dims, "BT": CHUNK, "BV": bx})):
+                        ("kda_prefill outputs", scan._kda_chunk_output_kernel,
+                         {**dims, "BT": CHUNK, "BV": bx, "FP32_DOT": False})):
         launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[backend]))
     return launches
+
+
+#: the kernels' pointers to workspaces in :func:`work_dtype`
+WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr")
 
 
 def register_kernels(device_type: str) -> None:

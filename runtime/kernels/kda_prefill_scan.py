@@ -53,13 +53,14 @@ def _kda_state_pass_kernel(
     seg_chunk0_ptr, seg_chunks_ptr, n_seg_ptr,  # per segment: first chunk, chunk count; [1] segments
     H,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BX: tl.constexpr, SUMMARY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
     if s >= tl.load(n_seg_ptr):
         return
     XC: tl.constexpr = D + DV if SUMMARY else DV  # columns of X
+    dot_ty: tl.constexpr = tl.float32 if FP32_DOT else w_ptr.dtype.element_ty
     cols = tl.program_id(2) * BX + tl.arange(0, BX)
     rows = tl.arange(0, BT)
     dk = tl.arange(0, D)
@@ -78,11 +79,14 @@ def _kda_state_pass_kernel(
         KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
         GL = tl.load(gl_ptr + base * D + dk)
         u_tile = u_ptr + base * BT * DV + rows[:, None] * DV + ucols[None, :]
-        Y = tl.load(u_tile, mask=u_mask, other=0.0) - tl.dot(W, X, input_precision=DOT_PRECISION)
+        Xw = X.to(W.dtype)  # the products' operands in the workspaces' dtype, X itself stays fp32
+        Y = tl.load(u_tile, mask=u_mask, other=0.0).to(tl.float32) - tl.dot(
+            W.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)
+        Yw = Y.to(W.dtype)
         if not SUMMARY:
-            tl.store(chunk_states_ptr + (base * D + dk[:, None]) * DV + cols[None, :], X)
-            tl.store(u_tile, Y)
-        X = GL[:, None] * X + tl.dot(KEt, Y, input_precision=DOT_PRECISION)
+            tl.store(chunk_states_ptr + (base * D + dk[:, None]) * DV + cols[None, :], Xw)
+            tl.store(u_tile, Yw)
+        X = GL[:, None] * X + tl.dot(KEt.to(dot_ty), Yw.to(dot_ty), input_precision=DOT_PRECISION)
     if SUMMARY:
         tl.store(end_ptr + ((s.to(tl.int64) * H + h) * D + dk[:, None]) * XC + cols[None, :], X)
     else:
@@ -123,6 +127,7 @@ def _kda_chunk_output_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,
     H,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -138,7 +143,9 @@ def _kda_chunk_output_kernel(
     U = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + cols[None, :])
     QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
     Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
-    o = tl.dot(QG, S, input_precision=DOT_PRECISION) + tl.dot(Aq, U, input_precision=DOT_PRECISION)
+    dot_ty: tl.constexpr = tl.float32 if FP32_DOT else qg_ptr.dtype.element_ty
+    o = tl.dot(QG.to(dot_ty), S.to(dot_ty), input_precision=DOT_PRECISION)
+    o += tl.dot(Aq.to(dot_ty), U.to(dot_ty), input_precision=DOT_PRECISION)
     tok = (t0 + rows).to(tl.int64)
     tl.store(o_ptr + (tok[:, None] * H + h) * DV + cols[None, :], o.to(o_ptr.dtype.element_ty),
              mask=(tok < end)[:, None])
