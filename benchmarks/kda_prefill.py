@@ -13,8 +13,9 @@ against the reference (up to ``--reference-max`` tokens) and against fla. "k3 ms
 launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported as
 "groups"); ``--groups`` also times given group sizes (0: none). ``--profile``: device ms
 per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
-launch settings (preparation warps, state-pass stages, state columns per program; the
-module's tables patched for the call), ms per setting.
+launch settings (the preparation's warps and W / U~ columns per block, the state pass's
+warps, stages and state columns per program; the modules' tables patched for the call), ms
+per setting.
 """
 
 from __future__ import annotations
@@ -79,20 +80,21 @@ def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-#: --sweep's settings: (preparation warps, state-pass warps, its stages, state columns per program)
-SWEEP = [(4, 8, 2, 32), (4, 4, 2, 32), (4, 4, 2, 64), (4, 8, 2, 64), (4, 8, 3, 64), (4, 4, 3, 32)]
+#: --sweep's settings: (preparation warps and W / U~ columns, state-pass warps, its stages, state columns
+#: per program)
+SWEEP = [(4, 32, 8, 2, 32), (4, 64, 4, 2, 64), (8, 64, 8, 2, 32), (4, 64, 4, 2, 32), (4, 64, 8, 1, 64)]
 
 
 @contextlib.contextmanager
-def launch_settings(prep_warps: int, scan_warps: int, stages: int, block_x: int):
+def launch_settings(prep_warps: int, w_block: int, scan_warps: int, stages: int, block_x: int):
     """The CUDA launch tables of kda_prefill / kda_prefill_scan set for the block's calls."""
-    saved = dict(kp.WARPS["cuda"]), dict(kp.SCAN_STAGES), scan.BLOCK_X
-    kp.WARPS["cuda"]["prep"], kp.WARPS["cuda"]["scan"] = prep_warps, scan_warps
+    saved = dict(kp.WARPS["cuda"]), kp.W_BLOCK, dict(kp.SCAN_STAGES), scan.BLOCK_X
+    kp.WARPS["cuda"]["prep"], kp.W_BLOCK, kp.WARPS["cuda"]["scan"] = prep_warps, w_block, scan_warps
     kp.SCAN_STAGES["cuda"], scan.BLOCK_X = stages, block_x
     try:
         yield
     finally:
-        kp.WARPS["cuda"], kp.SCAN_STAGES, scan.BLOCK_X = saved[0], saved[1], saved[2]
+        kp.WARPS["cuda"], kp.W_BLOCK, kp.SCAN_STAGES, scan.BLOCK_X = saved
 
 
 def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -154,7 +156,7 @@ def main() -> None:
             if args.sweep:
                 for setting in SWEEP:
                     with launch_settings(*setting):
-                        row["k3 prep w{} scan w{} stages {} x{} ms".format(*setting)] = round(timed(ours, x), 3)
+                        row["k3 prep w{} /{} scan w{} stages {} x{} ms".format(*setting)] = round(timed(ours, x), 3)
             print(json.dumps(row), flush=True)
             if args.profile:
                 for name, fn in {"k3": ours, **peers}.items():

@@ -15,8 +15,8 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
 
 ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on the
 state, for every chunk of every sequence in parallel: the norms and G (to a scratch
-tile); A and Aq by [16, 16] blocks of sub-chunks summed over 64-wide slices of the head
-dim, one product each with the decay split at the row block's first token (e^{G_r - G_j} =
+tile); A and Aq by [16, 16] blocks of sub-chunks, one product each over the head dim with
+the decay split at the row block's first token (e^{G_r - G_j} =
 e^{G_r - G_ref} e^{G_ref - G_j}; below the diagonal both exponents are <= 0, so nothing
 overflows however strong the gate; on it the second reaches a sub-chunk's decay, taken as
 a product below e^80, else one key column at a time); T = (I + A)^-1 by blocks (the
@@ -58,8 +58,8 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_si
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
 CHUNK = 64
 SUB_CHUNK = 16
-#: head-dim columns per slice of the preparation's A / Aq blocks
-HEAD_SLICE = 64
+#: columns per block of the preparation's W / U~ products (and the state factors)
+W_BLOCK = 64
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
@@ -81,7 +81,7 @@ def _kda_chunk_prep_kernel(
     scratch_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A and T [BT, BT]
     scale, H, eps,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
-    BD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -110,42 +110,40 @@ def _kda_chunk_prep_kernel(
     tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
     tl.debug_barrier()
 
-    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), summed over BD-wide slices
-    # of the head dim (fewer live registers), one product per slice: the decays split at
-    # a's first row, e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}. Below the diagonal
-    # both exponents are <= 0 (G falls along the chunk). On it the second is up to a
-    # sub-chunk's decay, e^75 at K3's gate (-5 a token): the product is taken while that
-    # stays below e^MAX_EXP, else (stronger gates) one key column at a time (the rows
-    # above it may overflow: the mask drops them). beta of the key columns last.
+    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), a row block's operands
+    # loaded once, one product per block over the whole head dim, the decays split at a's
+    # first row: e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}. Below the diagonal both
+    # exponents are <= 0 (G falls along the chunk). On it the second is up to a sub-chunk's
+    # decay, e^75 at K3's gate (-5 a token): the product is taken while that stays below
+    # e^MAX_EXP, else (stronger gates) one key column at a time (the rows above it may
+    # overflow: the mask drops them). beta of the key columns last.
     sub = tl.arange(0, BC)
     for a in range(BT // BC):
+        a_tile = (a * BC + sub)[:, None] * D + dk[None, :]
+        G_ref = tl.load(g_s + a * BC * D + dk)
+        e_a = tl.exp(tl.load(g_s + a_tile) - G_ref[None, :])
+        ke_a = tl.load(k_s + a_tile) * e_a
+        qe_a = tl.load(q_s + a_tile) * e_a
+        span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dk), axis=0)  # a's own decay
         for b in range(BT // BC):
             blk_a = tl.zeros([BC, BC], dtype=tl.float32)
             blk_q = tl.zeros([BC, BC], dtype=tl.float32)
             if b <= a:
-                for d0 in range(0, D, BD):
-                    dks = d0 + tl.arange(0, BD)
-                    sub_tile = sub[:, None] * D + dks[None, :]
-                    k_a = tl.load(k_s + a * BC * D + sub_tile)
-                    q_a = tl.load(q_s + a * BC * D + sub_tile)
-                    G_a = tl.load(g_s + a * BC * D + sub_tile)
-                    G_ref = tl.load(g_s + a * BC * D + dks)
-                    G_b = tl.load(g_s + b * BC * D + sub_tile)
-                    span = 0.0  # the decay over a's sub-chunk: only the diagonal block's matters
-                    if b == a:
-                        span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dks), axis=0)
-                    if span < MAX_EXP:
-                        e_a = tl.exp(G_a - G_ref[None, :])
-                        k_b = tl.load(k_s + b * BC * D + sub_tile) * tl.exp(G_ref[None, :] - G_b)
-                        blk_a += tl.dot(k_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
-                        blk_q += tl.dot(q_a * e_a, tl.trans(k_b), input_precision=DOT_PRECISION)
-                    else:
-                        for j in range(BC):
-                            G_j = tl.load(g_s + (a * BC + j) * D + dks)
-                            kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dks)[None, :]
-                            col = (sub == j)[None, :]
-                            blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
-                            blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
+                if (b < a) | (span < MAX_EXP):
+                    b_tile = (b * BC + sub)[:, None] * D + dk[None, :]
+                    k_b = tl.load(k_s + b_tile) * tl.exp(G_ref[None, :] - tl.load(g_s + b_tile))
+                    blk_a = tl.dot(ke_a, tl.trans(k_b), input_precision=DOT_PRECISION)
+                    blk_q = tl.dot(qe_a, tl.trans(k_b), input_precision=DOT_PRECISION)
+                else:
+                    G_a = tl.load(g_s + a_tile)
+                    k_a = tl.load(k_s + a_tile)
+                    q_a = tl.load(q_s + a_tile)
+                    for j in range(BC):
+                        G_j = tl.load(g_s + (a * BC + j) * D + dk)
+                        kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk)[None, :]
+                        col = (sub == j)[None, :]
+                        blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
+                        blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
                 if b == a:  # strictly lower for A, lower for Aq
                     blk_a = tl.where(sub[:, None] > sub[None, :], blk_a, 0.0)
                     blk_q = tl.where(sub[:, None] >= sub[None, :], blk_q, 0.0)
@@ -185,10 +183,11 @@ def _kda_chunk_prep_kernel(
         tl.debug_barrier()  # this row block of T is read by the next ones
     Tinv = tl.load(t_s + rows[:, None] * BT + cols[None, :])
 
-    # 4. W, U~ and the state factors, BC-wide column blocks at a time (fewer live registers).
+    # 4. W, U~ and the state factors, BW-wide column blocks at a time (fewer live registers).
     beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
-    for d0 in range(0, D, BC):
-        cols_d = d0 + sub
+    wide = tl.arange(0, BW)
+    for d0 in range(0, D, BW):
+        cols_d = d0 + wide
         blk = rows[:, None] * D + cols_d[None, :]
         G_d = tl.load(g_s + blk)
         eG_d = tl.exp(G_d)
@@ -200,8 +199,8 @@ def _kda_chunk_prep_kernel(
         tl.store(ke_ptr + base * BT * D + blk, ke.to(ke_ptr.dtype.element_ty))
         tl.store(qg_ptr + base * BT * D + blk, (tl.load(q_s + blk) * eG_d).to(qg_ptr.dtype.element_ty))
         tl.store(gl_ptr + base * D + cols_d, tl.exp(G_last))
-    for e0 in range(0, DV, BC):
-        cols_v = e0 + sub
+    for e0 in range(0, DV, BW):
+        cols_v = e0 + wide
         v_e = tl.load(v_ptr + (tok[:, None] * H + h) * DV + cols_v[None, :], mask=valid[:, None],
                       other=0.0).to(tl.float32)
         u = tl.dot(Tinv, v_e, input_precision=DOT_PRECISION)
@@ -309,7 +308,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=min(HEAD_SLICE, D), DOT_PRECISION=precision, num_warps=warps["prep"],
+        BC_LOG2=SUB_CHUNK.bit_length() - 1, BW=min(W_BLOCK, D, DV), DOT_PRECISION=precision, num_warps=warps["prep"],
         num_stages=1,
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
@@ -354,7 +353,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
-              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": min(HEAD_SLICE, head_dim), "DOT_PRECISION": precision}
+              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BW": min(W_BLOCK, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: f"*{wt}" for p in WORKSPACES},
