@@ -88,9 +88,9 @@ SWEEP = [(4, 32, 8, 2, 32), (4, 64, 4, 2, 64), (8, 64, 8, 2, 32), (4, 64, 4, 2, 
 @contextlib.contextmanager
 def launch_settings(prep_warps: int, w_block: int, scan_warps: int, stages: int, block_x: int):
     """The CUDA launch tables of kda_prefill / kda_prefill_scan set for the block's calls."""
-    saved = dict(kp.WARPS["cuda"]), kp.W_BLOCK, dict(kp.SCAN_STAGES), scan.BLOCK_X
+    saved = dict(kp.WARPS["cuda"]), kp.W_BLOCK, dict(kp.SCAN_STAGES), dict(scan.BLOCK_X)
     kp.WARPS["cuda"]["prep"], kp.W_BLOCK, kp.WARPS["cuda"]["scan"] = prep_warps, w_block, scan_warps
-    kp.SCAN_STAGES["cuda"], scan.BLOCK_X = stages, block_x
+    kp.SCAN_STAGES["cuda"], scan.BLOCK_X["cuda"] = stages, block_x
     try:
         yield
     finally:
@@ -148,7 +148,7 @@ def main() -> None:
                 o_peer = fn(x, s_peer)
                 row[f"err_vs_{name.split()[0]}"] = (rel_err(o, o_peer), rel_err(s_ours, s_peer))
                 row[f"{name} ms"] = round(timed(fn, x), 3)
-            row["groups"] = scan.group_size(batch, H, DV // min(scan.BLOCK_X, DV), tokens * batch // kp.CHUNK + batch,
+            row["groups"] = scan.group_size(batch, H, DV // min(scan.BLOCK_X["cuda"], DV), tokens * batch // kp.CHUNK + batch,
                                             scan.compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
             for G in args.groups:

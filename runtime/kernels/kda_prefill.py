@@ -22,21 +22,23 @@ overflows however strong the gate; on it the second reaches a sub-chunk's decay,
 a product below e^80, else one key column at a time); T = (I + A)^-1 by blocks (the
 diagonal ones as a product of log2(16) factors, the others by products); W and U~; the
 factors the state pass multiplies by (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in
-fp32 workspaces per (chunk, head). Then ``kda_prefill_scan``: the state pass (by chunk
+workspaces per (chunk, head) (:func:`work_dtype`). Then ``kda_prefill_scan``: the state pass (by chunk
 groups where sequences x heads leave the GPU idle) and the outputs.
 
-Workspaces: fp32, about 280 KB per (chunk, head) at D = DV = 128 (the preparation's
-outputs and its scratch tiles) plus each chunk's start state (64 KB): about 2 GB for 32K
-tokens at 12 heads, freed after the call; ``RuntimeOptions.prefill_chunk`` bounds them.
+Workspaces at D = DV = 128 in a bf16 model: about 72 KB per (chunk, head) of the
+preparation's outputs, 128 KB of fp32 scratch (q, k, G, A, T) freed after it, then each
+chunk's start state (32 KB): at most about 1.2 GB for 32K tokens at 12 heads, freed after
+the call (twice that for an fp32 model); ``RuntimeOptions.prefill_chunk`` bounds them.
 
 Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
 after the previous sequences', and the grids are sized for the worst case,
 ``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
 
-Numerics: fp32 throughout; the products exact for an fp32 model, at the backend's default
-precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
-products spilled thousands of bytes per thread on sm_90, AOT), the diagonal blocks'
-inverse always exact. Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and
+Numerics: the preparation in fp32, its products exact for an fp32 model, at the backend's
+default precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact
+fp32 products spilled thousands of bytes per thread on sm_90, AOT), the diagonal blocks'
+inverse always exact; the state pass and the outputs multiply the workspaces' dtype
+(bf16 for a bf16 model, as fla-core does) with fp32 sums and an fp32 carried state. Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and
 beta = 0, so they neither decay nor write the state, as in the reference.
 """
 
@@ -68,7 +70,7 @@ MAX_EXP = tl.constexpr(80.0)
 #: CUDA: the fastest of an H200 sweep (benchmarks/kda_prefill.py --sweep, BENCHMARKS.md),
 #: none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
 #: workgroups per gfx950 CU), one stage until measured
-WARPS = {"cuda": {"prep": 4, "scan": 8}, "hip": {"prep": 4, "scan": 4}}
+WARPS = {"cuda": {"prep": 4, "scan": 4}, "hip": {"prep": 4, "scan": 4}}
 SCAN_STAGES = {"cuda": 2, "hip": 1}
 
 
@@ -304,7 +306,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
     precision = dot_precision(v.dtype)
-    warps = WARPS["hip" if torch.version.hip else "cuda"]
+    backend = "hip" if torch.version.hip else "cuda"
+    warps = WARPS[backend]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
@@ -313,11 +316,11 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)
-    bx = min(scan.BLOCK_X, D, DV)
+    bx = min(scan.BLOCK_X[backend], D, DV)
     chunk_states = torch.empty((worst, H, D, DV), **work)
     fp32_dot = interpreted()  # its tl.dot multiplies bf16 bit patterns (triton#11584)
     c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
-         "num_stages": SCAN_STAGES["hip" if torch.version.hip else "cuda"]}
+         "num_stages": SCAN_STAGES[backend]}
     if group_chunks is None:
         group_chunks = scan.group_size(N, H, DV // bx, worst, scan.compute_units(dev)) or 0
     if group_chunks:
@@ -361,7 +364,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
                   "scale": "fp32", "eps": "fp32"}
     launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"])]
-    bx = min(scan.BLOCK_X, head_dim)
+    bx = min(scan.BLOCK_X[backend], head_dim)
     fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",
            "seq_group0_ptr", "seq_groups_ptr", "cu_ptr", "chunk_seq_ptr", "chunk_first_ptr", "n_chunks_ptr")

@@ -39,8 +39,9 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 
-#: columns of a state (or summary) tile per program
-BLOCK_X = 32
+#: columns of a state (or summary) tile per program, per backend (CUDA: an H200 sweep,
+#: BENCHMARKS.md; AMD: no spills at 4 warps, AOT)
+BLOCK_X = {"cuda": 64, "hip": 32}
 
 
 @counted
