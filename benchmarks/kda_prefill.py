@@ -3,7 +3,7 @@ Triton kernels of ``runtime/kernels/kda_prefill.py`` against fla-core's ``chunk_
 the op's torch reference. CUDA GPU only.
 
     python benchmarks/kda_prefill.py [--tokens 4096 32768] [--batches 1 8] [--reference-max 8192]
-        [--groups 0 8 16] [--profile] [--sweep]
+        [--groups 0 8 16] [--profile] [--sweep] [--phases]
 
 Each case is ``batch`` sequences of ``tokens`` each, packed (cu_seqlens), from random
 initial states, with K3's gate (lower bound -5). Timed eagerly (prefill is not captured in
@@ -15,15 +15,21 @@ launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported
 per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
 launch settings (the preparation's warps and W / U~ columns per block, the state pass's
 warps, stages and state columns per program; the modules' tables patched for the call), ms
-per setting.
+per setting. ``--phases``: the preparation's device time up to the end of each of its
+four phases (norms and G, A and Aq, the inverse, W / U~), from copies of its kernel that
+return there.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import inspect
 import json
 import statistics
+import sys
+import tempfile
 
 import torch
 
@@ -112,6 +118,45 @@ def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:12]}
 
 
+#: the preparation's phase comments, in kda_prefill._kda_chunk_prep_kernel's source
+PHASES = ("    # 2. A and Aq", "    # 3. T = (I + A)^-1", "    # 4. W, U~")
+
+
+def stopped_prep_kernels() -> dict[int, object]:
+    """Copies of the preparation kernel that return before phase 2, 3 and 4 (keys 1-3), in
+    a module written to a temporary file (Triton compiles a kernel from its source file)."""
+    src = inspect.getsource(kp)
+    src = src.replace("@counted\n@triton.jit\ndef _kda_chunk_prep_kernel", "@triton.jit\ndef _kda_chunk_prep_kernel")
+    kernels = {}
+    for stop, marker in enumerate(PHASES, start=1):
+        assert src.count(marker) == 1, f"phase marker {marker!r} not found once in kda_prefill.py"
+        name = f"kda_prefill_stopped_{stop}"
+        path = f"{tempfile.mkdtemp()}/{name}.py"
+        with open(path, "w") as f:
+            f.write(src.replace(marker, "    return\n" + marker))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        kernels[stop] = module._kda_chunk_prep_kernel
+    return kernels
+
+
+def phase_ms(x: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Device ms of the preparation up to the end of each phase (the later launches of
+    those calls read unfinished workspaces; only the preparation is timed)."""
+    full = kp._kda_chunk_prep_kernel
+    row = {}
+    try:
+        for stop, kernel in [*stopped_prep_kernels().items(), (4, full)]:
+            kp._kda_chunk_prep_kernel = kernel
+            ours(x, x["state"].clone())  # compile
+            row[f"prep to phase {stop} ms"] = kernel_ms(ours, x)["_kda_chunk_prep_kernel"]
+    finally:
+        kp._kda_chunk_prep_kernel = full
+    return row
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -123,6 +168,7 @@ def main() -> None:
     ap.add_argument("--reference-max", type=int, default=8192)
     ap.add_argument("--sweep", action="store_true", help="ours at other warps / stages / state tiles")
     ap.add_argument("--profile", action="store_true", help="device time per kernel of ours and fla's")
+    ap.add_argument("--phases", action="store_true", help="the preparation's time up to each phase")
     ap.add_argument("--groups", type=int, nargs="*", default=[], help="chunk-group sizes to time too (0: none)")
     args = ap.parse_args()
     try:
@@ -148,7 +194,8 @@ def main() -> None:
                 o_peer = fn(x, s_peer)
                 row[f"err_vs_{name.split()[0]}"] = (rel_err(o, o_peer), rel_err(s_ours, s_peer))
                 row[f"{name} ms"] = round(timed(fn, x), 3)
-            row["groups"] = scan.group_size(batch, H, DV // min(scan.BLOCK_X["cuda"], DV), tokens * batch // kp.CHUNK + batch,
+            value_tiles = DV // min(scan.BLOCK_X["cuda"], DV)
+            row["groups"] = scan.group_size(batch, H, value_tiles, tokens * batch // kp.CHUNK + batch,
                                             scan.compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
             for G in args.groups:
@@ -158,6 +205,8 @@ def main() -> None:
                     with launch_settings(*setting):
                         row["k3 prep w{} /{} scan w{} stages {} x{} ms".format(*setting)] = round(timed(ours, x), 3)
             print(json.dumps(row), flush=True)
+            if args.phases:
+                print(json.dumps({"phases": True, "batch": batch, "tokens": tokens, **phase_ms(x)}), flush=True)
             if args.profile:
                 for name, fn in {"k3": ours, **peers}.items():
                     print(json.dumps({"profile": name, "batch": batch, "tokens": tokens, **kernel_ms(fn, x)}), flush=True)

@@ -38,8 +38,9 @@ Numerics: the preparation in fp32, its products exact for an fp32 model, at the 
 default precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact
 fp32 products spilled thousands of bytes per thread on sm_90, AOT), the diagonal blocks'
 inverse always exact; the state pass and the outputs multiply the workspaces' dtype
-(bf16 for a bf16 model, as fla-core does) with fp32 sums and an fp32 carried state. Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and
-beta = 0, so they neither decay nor write the state, as in the reference.
+(bf16 for a bf16 model, as fla-core does) with fp32 sums and an fp32 carried state.
+Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
+neither decay nor write the state, as in the reference.
 """
 
 from __future__ import annotations
