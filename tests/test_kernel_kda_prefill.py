@@ -5,9 +5,9 @@ TRITON_INTERPRET; on a GPU machine on the GPU).
 Packed ragged batches whose sequences end at every residue of the chunk, states updated
 in place in the given slots and nowhere else, a sequence continued from a state a first
 call left, shapes the kernels do not take (the reference runs) and bad inputs (a clear
-error before any work). Tolerance: fp32 throughout, the chunked math of the reference in
-another order (products and sums over up to 64 tokens): 2e-5 of the largest value in
-fp32; for bf16 inputs 2^-8 (one bf16 rounding of the output and of the bf16 workspaces
+error before any work); and against fla-core's naive chunked form, the peer. Tolerance:
+fp32 throughout, the chunked math of the reference in another order (products and sums
+over up to 64 tokens): 2e-5 of the largest value in fp32; for bf16 inputs 2^-8 (one bf16 rounding of the output and of the bf16 workspaces
 the state pass multiplies, ``kda_prefill.work_dtype``, and on CUDA GPUs the tf32 products
 of the preparation: ``kda_prefill.dot_precision``).
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
-from k3compile.ops.kda import kda_gate, kda_prefill_reference
+from k3compile.ops.kda import L2NORM_EPS, kda_gate, kda_prefill_reference
 from k3compile.runtime.kernels import aot, kda_prefill, kernel_launches, reset_kernel_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,6 +131,29 @@ def test_k3_chunk_of_64_and_a_continuation():
     o2, state2, o2_ref, state2_ref = run_both(y, chunk=64)
     close(o2, o2_ref, torch.float32, "o of the continuation")
     close(state2, state2_ref, torch.float32, "state of the continuation")
+
+
+def test_matches_fla_naive_chunk_kda():
+    """fla-core, the peer, as a cross-check of the kernels themselves (its naive chunked
+    form, fp32): two sequences of 128 tokens as fla's batch of 2, from random states.
+    Moderate decays: fla's naive form exponentiates unmasked gate differences, which
+    overflow over K3's whole range."""
+    from fla.ops.kda.naive import naive_chunk_kda
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, D, DV = 2, 128, 2, 32, 32
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, H, DV)
+    g, beta, s0 = -0.2 * torch.rand(B, T, H, D, generator=gen), torch.rand(B, T, H, generator=gen), r(B, H, D, DV)
+    norm = lambda x: x / (x.square().sum(-1, keepdim=True) + L2NORM_EPS).sqrt()  # noqa: E731
+    o_fla, s_fla = naive_chunk_kda(norm(q), norm(k), v, g, beta, scale=D**-0.5, initial_state=s0,
+                                   output_final_state=True)
+    state = s0.clone().to(DEVICE)
+    packed = [t.flatten(0, 1).to(DEVICE) for t in (q, k, v, g, beta)]
+    cu = torch.tensor([0, T, 2 * T], dtype=torch.int32, device=DEVICE)
+    o = kda_prefill.kda_prefill(*packed, state, cu, torch.arange(B, device=DEVICE), D**-0.5)
+    close(o.cpu(), o_fla.flatten(0, 1), torch.float32, "o against fla")
+    close(state.cpu(), s_fla, torch.float32, "state against fla")
 
 
 def test_shapes_the_kernels_do_not_take_run_the_reference():
