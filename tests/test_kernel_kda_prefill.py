@@ -7,9 +7,10 @@ in place in the given slots and nowhere else, a sequence continued from a state 
 call left, shapes the kernels do not take (the reference runs) and bad inputs (a clear
 error before any work); and against fla-core's naive chunked form, the peer. Tolerance:
 fp32 throughout, the chunked math of the reference in another order (products and sums
-over up to 64 tokens): 2e-5 of the largest value in fp32; for bf16 inputs 2^-8 (one bf16 rounding of the output and of the bf16 workspaces
-the state pass multiplies, ``kda_prefill.work_dtype``, and on CUDA GPUs the tf32 products
-of the preparation: ``kda_prefill.dot_precision``).
+over up to 64 tokens): 2e-5 of the largest value in fp32; for bf16 inputs 2^-8 (one
+bf16 rounding of the output and of the bf16 workspaces the state pass multiplies,
+``kda_prefill.work_dtype``, and on CUDA GPUs the tf32 products of the preparation:
+``kda_prefill.dot_precision``).
 """
 
 from __future__ import annotations
