@@ -85,6 +85,66 @@ def test_nvidia_registers_from_the_cubin(aot_reports):
     assert res.occupancy % 4 == 0 and res.occupancy > 0 and res.fits  # whole CTAs of 4 warps
 
 
+#: torch dtypes of the pointer element types the launches use
+_ELEMENT_DTYPES = {**{name: dtype for dtype, name in aot.TRITON_DTYPES.items()},
+                   "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8, "i8": torch.int8}
+
+
+def jit_specialisation(launch: aot.KernelLaunch, target: str) -> tuple[dict, dict]:
+    """(signature, attributes) that Triton's JIT derives for ``launch`` on ``target`` from
+    arguments of the sizes the launch declares (its own binder and argument packing, which
+    run without a GPU): aligned tensors, of 3 GiB (meta) for ``pointers_over_2gib`` and of
+    a few KiB otherwise; integers multiples of 16 where ``divisible_by_16`` says so."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = JITFunction(getattr(launch.fn, "fn", launch.fn))  # under TRITON_INTERPRET an interpreter wrapper
+    backend = make_backend(aot.TARGETS[target].gpu_target)
+    args = []
+    for name in fn.arg_names:
+        ty = launch.signature[name]
+        if ty == "constexpr":
+            args.append(launch.constexprs[name])
+        elif ty.startswith("*"):
+            dtype = _ELEMENT_DTYPES[ty[1:]]
+            big = name in launch.pointers_over_2gib
+            args.append(torch.empty(3 * 2**30 // dtype.itemsize if big else 1024, dtype=dtype,
+                                    device="meta" if big else "cpu"))
+        elif ty.startswith("fp"):
+            args.append(0.5)
+        else:
+            args.append(32 if name in launch.divisible_by_16 else 17)
+    bound, specialisation, options = create_function_from_signature(fn.signature, fn.params, backend)(*args)
+    _, signature, _, attrs = fn._pack_args(backend, {}, bound, specialisation, options)
+    return signature, {k: v for k, v in attrs.items() if v}
+
+
+def test_attributes_are_what_the_jit_derives():
+    """aot.attributes, with which every kernel is compiled for its reports, against the JIT's
+    own specialisation of the same launch (jit_specialisation): equal for every launch of
+    the MLA kernels (cache pools over 2 GiB) and of the KDA prefill, on gfx950 (buffer
+    loads for every pointer but the pools) and on sm_90 (alignment only). Equal
+    signatures and attributes make the same compile."""
+    from k3compile.runtime.kernels import kda_prefill, mla_cache_write, mla_decode
+
+    checked = 0
+    for backend, target in (("hip", "gfx950"), ("cuda", "sm_90")):
+        launches = [*mla_decode.aot_launches(backend), mla_cache_write.aot_launch(torch.float8_e4m3fn),
+                    *kda_prefill.aot_requests(backend)]
+        for launch in launches:
+            if any(str(ty).startswith("tensordesc") for ty in launch.signature.values()):
+                continue  # TMA descriptors (sm_90 split-KV): not tensors
+            request = launch.request(target)
+            signature, attrs = jit_specialisation(launch, target)
+            assert signature == {k: v for k, v in launch.signature.items() if v != "constexpr"} | {
+                k: "constexpr" for k in launch.constexprs}, launch.name
+            assert aot.attributes(request) == attrs, (launch.name, target)
+            checked += 1
+    assert checked >= 20
+    pools = aot.attributes(mla_decode.aot_launches("hip")[0].request("gfx950"))
+    assert pools[(1,)] == [["tt.divisibility", 16]] and ["tt.pointer_range", 32] in pools[(0,)]
+
+
 def test_unknown_target_is_a_clear_error():
     known = r"known targets are \['gfx942', 'gfx950', 'sm_90'\]"
     with pytest.raises(ValueError, match=rf"unknown target 'gfx1200': {known}"):

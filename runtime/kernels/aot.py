@@ -23,9 +23,12 @@ for a named target and reports what the hardware would have to give it:
                              {"BLOCK": 64}, "gfx950")
     assert res.fits, res
 
-Kernels are compiled with ``tt.divisibility=16`` on every pointer (the caching
-allocators of torch return 256-byte aligned storage; the JIT specialises the same way
-at launch) and on the integer arguments named in ``divisible_by_16``.
+Kernels are compiled with the attributes Triton's JIT derives at launch (:func:`attributes`):
+``tt.divisibility=16`` on every pointer (the caching allocators of torch return 256-byte
+aligned storage) and on the integer arguments named in ``divisible_by_16``; on AMD
+targets also ``tt.pointer_range=32`` (buffer loads and stores with 32-bit offsets) on
+every pointer whose storage is at most 2 GiB, that is all but ``pointers_over_2gib``
+(ROCm's JIT does so by default: ``knobs.amd.use_buffer_ops``).
 
 In a process where TRITON_INTERPRET was set before Triton was imported (CPU test runs)
 nothing can be compiled in-process, so :func:`compile_many` (and compile_for_target)
@@ -156,6 +159,9 @@ class CompileRequest:
     num_warps: int = 4
     num_stages: int = 1
     divisible_by_16: tuple[str, ...] = ()
+    #: pointer arguments whose storage exceeds 2 GiB at the launch's shapes (a layer's cache
+    #: pool at K3's serving sizes): ROCm's JIT leaves them 64-bit (see the module docstring)
+    pointers_over_2gib: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,10 +198,12 @@ class KernelLaunch:
     #: integer arguments that are multiples of 16 at K3's shapes: Triton's JIT specialises
     #: them so at launch (it sizes the cache loads' vectors, hence cp.async, from them)
     divisible_by_16: tuple[str, ...] = ()
+    #: pointer arguments over 2 GiB at K3's serving shapes (CompileRequest)
+    pointers_over_2gib: tuple[str, ...] = ()
 
     def request(self, target: str) -> CompileRequest:
         return CompileRequest(self.fn, self.signature, self.constexprs, target, self.num_warps, self.num_stages,
-                              self.divisible_by_16)
+                              self.divisible_by_16, self.pointers_over_2gib)
 
 
 def compile_for_target(
@@ -270,16 +278,34 @@ def _triton_compile(r: CompileRequest):
     missing = [a for a in fn.arg_names if a not in r.signature]
     if missing:
         raise ValueError(f"{fn.__name__}: signature lacks arguments {missing}")
-    attrs = {}
-    for name, ty in r.signature.items():
-        i = fn.arg_names.index(name)
-        if isinstance(ty, tuple):  # a tuple of pointers (a kernel taking a list of tensors)
-            attrs.update({(i, j): [["tt.divisibility", 16]] for j, t in enumerate(ty) if t.startswith("*")})
-        elif ty.startswith("*") or name in r.divisible_by_16:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=r.signature, constexprs=r.constexprs, attrs=attrs)
+    unknown = [a for a in r.pointers_over_2gib if a not in r.signature]
+    if unknown:
+        raise ValueError(f"{fn.__name__}: pointers_over_2gib names no argument: {unknown}")
+    src = ASTSource(fn=fn, signature=r.signature, constexprs=r.constexprs, attrs=attributes(r))
     options = {"num_warps": r.num_warps, "num_stages": r.num_stages}
     return triton.compile(src, target=spec.gpu_target, options=options)
+
+
+def attributes(r: CompileRequest) -> dict[tuple[int, ...], list[list]]:
+    """The per-argument attributes Triton's JIT derives when the launch's tensors are
+    256-byte aligned (module docstring): by argument position (a tuple argument's
+    elements by (position, index)), the arguments without any left out."""
+    amd = _target_spec(r.target).is_amd
+
+    def pointer(name: str) -> list[list]:
+        buffer_ops = amd and name not in r.pointers_over_2gib
+        return [["tt.divisibility", 16]] + ([["tt.pointer_range", 32]] if buffer_ops else [])
+
+    attrs = {}
+    for name, ty in r.signature.items():
+        i = r.fn.arg_names.index(name)
+        if isinstance(ty, tuple):  # a tuple of pointers (a kernel taking a list of tensors)
+            attrs.update({(i, j): pointer(name) for j, t in enumerate(ty) if t.startswith("*")})
+        elif ty.startswith("*"):
+            attrs[(i,)] = pointer(name)
+        elif name in r.divisible_by_16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 def _compile(r: CompileRequest) -> KernelResources:
@@ -347,7 +373,7 @@ def _compile_in_subprocess(requests: Sequence[CompileRequest | AsmRequest]) -> l
         jobs.append({"module": inner.__module__, "name": inner.__name__, "signature": r.signature,
                      "constexprs": r.constexprs, "target": r.target, "num_warps": r.num_warps,
                      "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16),
-                     "asm": item.kind if isinstance(item, AsmRequest) else None})
+                     "pointers_over_2gib": list(r.pointers_over_2gib), "asm": item.kind if isinstance(item, AsmRequest) else None})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included
 
@@ -378,6 +404,7 @@ def _subprocess_main() -> None:
     for job in json.load(sys.stdin):
         fn = getattr(importlib.import_module(job.pop("module")), job.pop("name"))
         job["divisible_by_16"] = tuple(job["divisible_by_16"])
+        job["pointers_over_2gib"] = tuple(job["pointers_over_2gib"])
         job["signature"] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["signature"].items()}
         kind = job.pop("asm")
         request = CompileRequest(fn, **job)

@@ -90,4 +90,5 @@ def aot_launch(fmt: torch.dtype, width: int = 576, latent_dim: int = 512,
     c = _constexprs(width, latent_dim, fmt)
     signature = {"kv_ptr": f"*{TRITON_DTYPES[dtype]}", "slot_ptr": "*i64", "cache_ptr": f"*{TRITON_DTYPES[fmt]}",
                  "stride_kv": "i32", "stride_slot": "i32", **{k: "constexpr" for k in c}}
-    return KernelLaunch(f"mla_cache_write_{TRITON_DTYPES[fmt]}", _mla_cache_write_fp8_kernel, signature, c, 4)
+    return KernelLaunch(f"mla_cache_write_{TRITON_DTYPES[fmt]}", _mla_cache_write_fp8_kernel, signature, c, 4,
+                        pointers_over_2gib=("cache_ptr",))
