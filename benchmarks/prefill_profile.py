@@ -2,9 +2,12 @@
 TP8 rank's real shapes at TP1), device time per kernel from the torch profiler, largest
 first, with the wall time of the same prefill. CUDA GPU only.
 
-    python benchmarks/prefill_profile.py --out DIR [--layers 4] [--prompt-lens 4096,32768] [--top 25]
+    python benchmarks/prefill_profile.py --out DIR [--layers 4] [--prompt-lens 4096,32768] [--top 25] [--host]
 
 Each prompt is prefilled once to warm up (Triton compiles), then once under the profiler.
+``--host``: also where the wall time that is not on the device goes: the device's idle
+time between its first and last kernel, the host calls that wait for it (synchronisations,
+copies to the host) and the host operations by their own CPU time.
 """
 
 from __future__ import annotations
@@ -30,19 +33,54 @@ def prefill_once(rt, prompt: list[int]) -> float:
     return elapsed * 1e3
 
 
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals in us, as ms."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
+
+
+def host_tables(prof, top: int) -> list[Table]:
+    """The --host tables of one profiled prefill."""
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    span = (max(end for _, end in kernels) - min(start for start, _ in kernels)) / 1e3
+    busy = busy_ms(kernels)
+    waits: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CPU" and ("Synchronize" in e.name or "Memcpy" in e.name or e.name == "aten::item"):
+            waits.setdefault(e.name, []).append(e.cpu_time_total / 1e3)
+    summary = Table(title=f"device: {busy:.1f} ms busy of the {span:.1f} ms from its first kernel to its last "
+                          f"({span - busy:.1f} ms idle)")
+    for col in ("host call that waits", "ms", "calls"):
+        summary.add_column(col, justify="left" if col.startswith("host") else "right")
+    for name, times in sorted(waits.items(), key=lambda kv: -sum(kv[1])):
+        summary.add_row(name[:90], f"{sum(times):.2f}", str(len(times)))
+    ops = Table(title="host operations by their own CPU time")
+    for col in ("operation", "self ms", "calls"):
+        ops.add_column(col, justify="left" if col == "operation" else "right")
+    for avg in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]:
+        ops.add_row(avg.key[:90], f"{avg.self_cpu_time_total / 1e3:.2f}", str(avg.count))
+    return [summary, ops]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--prompt-lens", default="4096,32768")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host", action="store_true", help="also the host's share of the wall time")
     args = parser.parse_args()
     lens = [int(n) for n in args.prompt_lens.split(",")]
     rt = slice_runtime(args.out, args.layers, 1, max(lens) + 64)
     for length in lens:
         prompt = torch.randint(0, rt.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
         prefill_once(rt, prompt)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
+        with profile(activities=activities) as prof:
             wall = prefill_once(rt, prompt)
         totals: dict[str, list[float]] = {}
         for e in prof.events():
@@ -56,6 +94,9 @@ def main() -> None:
         for name, ms, calls in rows[:args.top]:
             table.add_row(name[:90], f"{ms:.2f}", str(calls))
         Console(width=130).print(table)
+        if args.host:
+            for extra in host_tables(prof, args.top):
+                Console(width=130).print(extra)
 
 
 if __name__ == "__main__":
