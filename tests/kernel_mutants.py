@@ -60,7 +60,7 @@ ATTENTION_FP8 = Selection("tests/test_kernel_mla_fp8.py", "generic_and_prefill_f
 CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_kernel")
 MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
-KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation or stronger")
+KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation or stronger or slices")
 MLA_EXPANDED = Selection("tests/test_kernel_mla_prefill_expanded.py", "matches_reference or residue or fp8")
 PREFILL_PARTIAL = Selection("tests/test_kernel_mla_decode.py", "prefill_partial")
 SHORT_CONV = Selection("tests/test_kernel_short_conv.py", "ragged")
@@ -185,6 +185,9 @@ MUTANTS = [
     Mutant("kda_prefill_inverse_diagonal_sign", "runtime/kernels/kda_prefill.py",
            "T_aa = eye - L", "T_aa = eye + L", KDA_PREFILL,
            "KDA prefill: (I + A)^-1's diagonal blocks as (I + L)(I + L^2)... (the first factor's sign)"),
+    Mutant("kda_prefill_head_slice_dropped", "runtime/kernels/kda_prefill.py",
+           "for d0 in range(0, D, BD):", "for d0 in range(0, BD, BD):", KDA_PREFILL,
+           "KDA prefill on AMD's head-dim slices: A / Aq sum only the first slice"),
     Mutant("kda_group_summary_starts_at_zero", "runtime/kernels/kda_prefill_scan.py",
            "X = tl.where(dk[:, None] == cols[None, :], 1.0, 0.0)", "X = tl.where(dk[:, None] == cols[None, :], 0.0, 0.0)",
            KDA_PREFILL, "KDA prefill: a chunk group's map M starts from 0, not I (start states lost)"),

@@ -93,6 +93,20 @@ def test_chunk_groups_at_every_group_residue(group_chunks):
 
 
 @pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_head_dim_slices_as_on_amd(monkeypatch):
+    """The preparation's A / Aq over head-dim slices (AMD's layout, kda_prefill.HEAD_SLICE;
+    the interpreter runs CUDA's whole-head-dim one otherwise): the same results, with K3's
+    gate and with one strong enough to take the column-at-a-time path."""
+    monkeypatch.setitem(kda_prefill.HEAD_SLICE, "cuda", 16)
+    for strong in (False, True):
+        x = make([1, 17, 40], D=32, DV=32, seed=4)
+        if strong:  # as test_gates_stronger_than_k3s
+            x["g"] = -8.0 - 4.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        o, state, o_ref, state_ref = run_both(x, chunk=16)
+        close(o, o_ref, torch.float32, "o")
+        close(state, state_ref, torch.float32, "state")
+
+
 def test_gates_stronger_than_k3s():
     """Gates of -8 to -12 a token (K3's are above -5): a sub-chunk decays past e^MAX_EXP, so
     the preparation's diagonal blocks take the column-at-a-time path (whose rows above the
@@ -195,11 +209,10 @@ def test_kernels_compile_for_every_target(aot_reports):
         assert res.spills is not None and res.spills <= (0 if target.startswith("gfx") else 16), (target, name, res)
 
 
-@pytest.mark.xfail(strict=True, reason="issue #23's goal, unmet since the AOT compiles with ROCm's buffer loads: "
-                                       "270 VGPRs, one workgroup per CU (docs/compiler.md)")
 def test_preparation_holds_two_workgroups_per_gfx950_cu(aot_reports):
     """Issue #23: two preparation workgroups per MI355X CU, so that the chunk groups of two
-    sequences, or of one, run side by side."""
+    sequences, or of one, run side by side (with ROCm's buffer loads: A / Aq by 64-wide
+    head-dim slices there, kda_prefill.HEAD_SLICE)."""
     prep = aot_reports[("gfx950", "kda_prefill prep")]
     # AMD reports waves per SIMD; a CU has 4 SIMDs
     assert prep.occupancy * 4 // kda_prefill.WARPS["hip"]["prep"] >= 2, prep

@@ -63,6 +63,10 @@ CHUNK = 64
 SUB_CHUNK = 16
 #: columns per block of the preparation's W / U~ products (and the state factors)
 W_BLOCK = 64
+#: head-dim columns per A / Aq product, per backend (None: the whole head dim, a row
+#: block's operands loaded once). AMD: 64, for two workgroups per gfx950 CU (its 16-row
+#: MFMA operands sit whole in every wave; AOT, docs/kernels.md)
+HEAD_SLICE = {"cuda": None, "hip": 64}
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
@@ -75,6 +79,23 @@ WARPS = {"cuda": {"prep": 4, "scan": 4}, "hip": {"prep": 4, "scan": 4}}
 SCAN_STAGES = {"cuda": 2, "hip": 1}
 
 
+@triton.jit
+def _row_block_operands(k_s, q_s, g_s, a_tile, G_ref):
+    """A row block's keys and queries decayed to its first row: k_r e^{G_r - G_ref}, q_r
+    e^{G_r - G_ref}, over the scratch offsets ``a_tile``."""
+    e_a = tl.exp(tl.load(g_s + a_tile) - G_ref[None, :])
+    return tl.load(k_s + a_tile) * e_a, tl.load(q_s + a_tile) * e_a
+
+
+@triton.jit
+def _block_products(ke_a, qe_a, k_s, g_s, b_tile, G_ref, DOT_PRECISION: tl.constexpr):
+    """One A / Aq block: the row block's operands against key block b (scratch offsets
+    ``b_tile``) decayed from the row block's first row, e^{G_ref - G_j} k_j."""
+    k_b = tl.load(k_s + b_tile) * tl.exp(G_ref[None, :] - tl.load(g_s + b_tile))
+    return (tl.dot(ke_a, tl.trans(k_b), input_precision=DOT_PRECISION),
+            tl.dot(qe_a, tl.trans(k_b), input_precision=DOT_PRECISION))
+
+
 @counted
 @triton.jit
 def _kda_chunk_prep_kernel(
@@ -84,7 +105,7 @@ def _kda_chunk_prep_kernel(
     scratch_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A and T [BT, BT]
     scale, H, eps,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
-    BW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BD: tl.constexpr, BW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,30 +134,39 @@ def _kda_chunk_prep_kernel(
     tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
     tl.debug_barrier()
 
-    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), a row block's operands
-    # loaded once, one product per block over the whole head dim, the decays split at a's
-    # first row: e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}. Below the diagonal both
-    # exponents are <= 0 (G falls along the chunk). On it the second is up to a sub-chunk's
-    # decay, e^75 at K3's gate (-5 a token): the product is taken while that stays below
-    # e^MAX_EXP, else (stronger gates) one key column at a time (the rows above it may
-    # overflow: the mask drops them). beta of the key columns last.
+    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), one product per block and
+    # head-dim slice of BD columns, the decays split at a's first row: e^{G_r - G_j} =
+    # e^{G_r - G_ref} e^{G_ref - G_j}. Below the diagonal both exponents are <= 0 (G falls
+    # along the chunk). On it the second is up to a sub-chunk's decay, e^75 at K3's gate
+    # (-5 a token): the product is taken while that stays below e^MAX_EXP, else (stronger
+    # gates) one key column at a time (the rows above it may overflow: the mask drops them).
+    # beta of the key columns last. One slice (BD = D): a row block's operands are loaded
+    # once; several (fewer live registers): per block and slice.
     sub = tl.arange(0, BC)
     for a in range(BT // BC):
         a_tile = (a * BC + sub)[:, None] * D + dk[None, :]
         G_ref = tl.load(g_s + a * BC * D + dk)
-        e_a = tl.exp(tl.load(g_s + a_tile) - G_ref[None, :])
-        ke_a = tl.load(k_s + a_tile) * e_a
-        qe_a = tl.load(q_s + a_tile) * e_a
+        if BD == D:
+            ke_a, qe_a = _row_block_operands(k_s, q_s, g_s, a_tile, G_ref)
         span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dk), axis=0)  # a's own decay
         for b in range(BT // BC):
             blk_a = tl.zeros([BC, BC], dtype=tl.float32)
             blk_q = tl.zeros([BC, BC], dtype=tl.float32)
             if b <= a:
                 if (b < a) | (span < MAX_EXP):
-                    b_tile = (b * BC + sub)[:, None] * D + dk[None, :]
-                    k_b = tl.load(k_s + b_tile) * tl.exp(G_ref[None, :] - tl.load(g_s + b_tile))
-                    blk_a = tl.dot(ke_a, tl.trans(k_b), input_precision=DOT_PRECISION)
-                    blk_q = tl.dot(qe_a, tl.trans(k_b), input_precision=DOT_PRECISION)
+                    if BD == D:
+                        blk_a, blk_q = _block_products(ke_a, qe_a, k_s, g_s, (b * BC + sub)[:, None] * D + dk[None, :],
+                                                       G_ref, DOT_PRECISION)
+                    else:
+                        for d0 in range(0, D, BD):
+                            dks = d0 + tl.arange(0, BD)
+                            G_ref_d = tl.load(g_s + a * BC * D + dks)
+                            ke_d, qe_d = _row_block_operands(k_s, q_s, g_s, (a * BC + sub)[:, None] * D + dks[None, :],
+                                                             G_ref_d)
+                            p_a, p_q = _block_products(ke_d, qe_d, k_s, g_s, (b * BC + sub)[:, None] * D + dks[None, :],
+                                                       G_ref_d, DOT_PRECISION)
+                            blk_a += p_a
+                            blk_q += p_q
                 else:
                     G_a = tl.load(g_s + a_tile)
                     k_a = tl.load(k_s + a_tile)
@@ -260,6 +290,11 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def head_slice(backend: str, head_dim: int) -> int:
+    """The preparation's head-dim columns per A / Aq product on ``backend`` (HEAD_SLICE)."""
+    return min(HEAD_SLICE[backend] or head_dim, head_dim)
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the chunk factors the state pass and the outputs multiply by (W, U, q e^G,
     beta k e^{G_last - G}, Aq) and of the chunk start states: the model's for bf16 / fp16
@@ -312,7 +347,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        BC_LOG2=SUB_CHUNK.bit_length() - 1, BW=min(W_BLOCK, D, DV), DOT_PRECISION=precision, num_warps=warps["prep"],
+        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(backend, D), BW=min(W_BLOCK, D, DV), DOT_PRECISION=precision,
+        num_warps=warps["prep"],
         num_stages=1,
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
@@ -357,7 +393,8 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
-              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BW": min(W_BLOCK, head_dim), "DOT_PRECISION": precision}
+              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": head_slice(backend, head_dim),
+              "BW": min(W_BLOCK, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: f"*{wt}" for p in WORKSPACES},
