@@ -85,8 +85,8 @@ MUTANTS = [
            "tl.store(s_ptrs, tl.fma(s, decay[:, None], (beta * k)[:, None] * u[None, :]), eviction_policy=STATE_EVICT)",
            "pass  # mutant", KDA, "fused KDA: the updated state slice is never written back"),
     Mutant("kda_conv_state_not_shifted", "runtime/kernels/kda_decode_kernel.py",
-           "            _shift_conv_state(q_ptr + i_b * (H * D), q_conv_state, qk_channels, cols, K)\n"
-           "            _shift_conv_state(k_ptr + i_b * (H * D), k_conv_state, qk_channels, cols, K)\n",
+           "            _shift_conv_state(q_ptr + i_b * q_stride, q_conv_state, qk_channels, cols, K)\n"
+           "            _shift_conv_state(k_ptr + i_b * k_stride, k_conv_state, qk_channels, cols, K)\n",
            "            pass  # mutant\n", KDA,
            "fused KDA: with a head split over programs, the q / k conv states are not shifted"),
     Mutant("split_kv_combine_drops_a_split", "runtime/kernels/mla_split_kv.py",
@@ -118,8 +118,8 @@ MUTANTS = [
            "sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)", "sel_w = sel_w", ROUTING,
            "routing: the top-k weights not renormalised"),
     Mutant("route_bias_in_weights", "runtime/kernels/routing.py",
-           "sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))",
-           "sel_w = tl.sigmoid(tl.load(logits_ptr + t * E + sel_id, mask=keep, other=0.0).to(tl.float32))"
+           "sel_w = tl.sigmoid(tl.load(logits_ptr + t * logits_stride + sel_id, mask=keep, other=0.0).to(tl.float32))",
+           "sel_w = tl.sigmoid(tl.load(logits_ptr + t * logits_stride + sel_id, mask=keep, other=0.0).to(tl.float32))"
            " + tl.load(bias_ptr + sel_id, mask=keep, other=0.0).to(tl.float32)", ROUTING,
            "routing: the correction bias (selection only) added to the weights"),
     Mutant("mxfp4_nibbles_swapped", "runtime/kernels/moe.py",
@@ -175,7 +175,7 @@ MUTANTS = [
     Mutant("kda_prefill_block_decay_unsplit", "runtime/kernels/kda_prefill.py",
            "k_b = tl.load(k_s + b_tile) * tl.exp(G_ref[None, :] - tl.load(g_s + b_tile))",
            "k_b = tl.load(k_s + b_tile)", KDA_PREFILL,
-           "KDA prefill: a block below the diagonal misses the decay from its key to the row block's start"),
+           "KDA prefill: an A / Aq block misses the decay from its key to the row block's start"),
     Mutant("kda_prefill_inverse_block_sign", "runtime/kernels/kda_prefill.py",
            "T_ab = -tl.dot(T_aa, acc", "T_ab = tl.dot(T_aa, acc", KDA_PREFILL,
            "KDA prefill: (I + A)^-1's blocks below the diagonal with the wrong sign"),

@@ -94,11 +94,16 @@ def jit_specialisation(launch: aot.KernelLaunch, target: str) -> tuple[dict, dic
     """(signature, attributes) that Triton's JIT derives for ``launch`` on ``target`` from
     arguments of the sizes the launch declares (its own binder and argument packing, which
     run without a GPU): aligned tensors, of 3 GiB (meta) for ``pointers_over_2gib`` and of
-    a few KiB otherwise; integers multiples of 16 where ``divisible_by_16`` says so."""
+    a few KiB otherwise; integers multiples of 16 where ``divisible_by_16`` says so, else
+    17 (never 1, which the JIT would make a constant: the launches' declarations do not
+    cover that case)."""
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    fn = JITFunction(getattr(launch.fn, "fn", launch.fn))  # under TRITON_INTERPRET an interpreter wrapper
+    if isinstance(launch.fn, JITFunction):
+        fn = launch.fn
+    else:  # under TRITON_INTERPRET an interpreter wrapper: the same function and jit options
+        fn = JITFunction(launch.fn.fn, **launch.fn.kwargs)
     backend = make_backend(aot.TARGETS[target].gpu_target)
     args = []
     for name in fn.arg_names:
@@ -121,10 +126,12 @@ def jit_specialisation(launch: aot.KernelLaunch, target: str) -> tuple[dict, dic
 
 def test_attributes_are_what_the_jit_derives():
     """aot.attributes, with which every kernel is compiled for its reports, against the JIT's
-    own specialisation of the same launch (jit_specialisation): equal for every launch of
-    the MLA kernels (cache pools over 2 GiB) and of the KDA prefill, on gfx950 (buffer
-    loads for every pointer but the pools) and on sm_90 (alignment only). Equal
-    signatures and attributes make the same compile."""
+    own specialisation of the same launch (jit_specialisation, with the kernel's
+    ``do_not_specialize``): equal for every launch of the MLA kernels (cache pools over 2
+    GiB) and of the KDA prefill, on gfx950 (buffer loads for every pointer but the pools)
+    and on sm_90 (alignment only). This checks the attribute rules against Triton's, for
+    the sizes each launch declares; whether the runtime's tensors have those sizes is the
+    declarations' claim (decision 62)."""
     from k3compile.runtime.kernels import kda_prefill, mla_cache_write, mla_decode
 
     checked = 0

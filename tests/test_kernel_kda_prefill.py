@@ -97,7 +97,8 @@ def test_head_dim_slices_as_on_amd(monkeypatch):
     """The preparation's A / Aq over head-dim slices (AMD's layout, kda_prefill.HEAD_SLICE;
     the interpreter runs CUDA's whole-head-dim one otherwise): the same results, with K3's
     gate and with one strong enough to take the column-at-a-time path."""
-    monkeypatch.setitem(kda_prefill.HEAD_SLICE, "cuda", 16)
+    for backend in kda_prefill.HEAD_SLICE:
+        monkeypatch.setitem(kda_prefill.HEAD_SLICE, backend, 16)
     for strong in (False, True):
         x = make([1, 17, 40], D=32, DV=32, seed=4)
         if strong:  # as test_gates_stronger_than_k3s
@@ -107,6 +108,18 @@ def test_head_dim_slices_as_on_amd(monkeypatch):
         close(state, state_ref, torch.float32, "state")
 
 
+def test_w_blocks_narrower_than_the_head_dims(monkeypatch):
+    """W / U~ and the state factors by column blocks narrower than D and DV (K3's D = 128
+    takes two blocks of kda_prefill.W_BLOCK; the small shapes here one unless narrowed),
+    with D != DV."""
+    monkeypatch.setattr(kda_prefill, "W_BLOCK", 16)
+    x = make([1, 17, 40], D=32, DV=64, seed=5)
+    o, state, o_ref, state_ref = run_both(x, chunk=16)
+    close(o, o_ref, torch.float32, "o")
+    close(state, state_ref, torch.float32, "state")
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
 def test_gates_stronger_than_k3s():
     """Gates of -8 to -12 a token (K3's are above -5): a sub-chunk decays past e^MAX_EXP, so
     the preparation's diagonal blocks take the column-at-a-time path (whose rows above the
@@ -153,7 +166,7 @@ def test_matches_fla_naive_chunk_kda():
     form, fp32): two sequences of 128 tokens as fla's batch of 2, from random states.
     Moderate decays: fla's naive form exponentiates unmasked gate differences, which
     overflow over K3's whole range."""
-    from fla.ops.kda.naive import naive_chunk_kda
+    naive_chunk_kda = pytest.importorskip("fla.ops.kda.naive").naive_chunk_kda
 
     gen = torch.Generator().manual_seed(3)
     B, T, H, D, DV = 2, 128, 2, 32, 32

@@ -27,8 +27,10 @@ Kernels are compiled with the attributes Triton's JIT derives at launch (:func:`
 ``tt.divisibility=16`` on every pointer (the caching allocators of torch return 256-byte
 aligned storage) and on the integer arguments named in ``divisible_by_16``; on AMD
 targets also ``tt.pointer_range=32`` (buffer loads and stores with 32-bit offsets) on
-every pointer whose storage is at most 2 GiB, that is all but ``pointers_over_2gib``
-(ROCm's JIT does so by default: ``knobs.amd.use_buffer_ops``).
+every pointer whose storage is under 2 GiB (at most 2^31 - 1 bytes), that is all but
+``pointers_over_2gib`` (ROCm's JIT does so by default, ``knobs.amd.use_buffer_ops``; the
+reports assume that default). Integers equal to 1, which the JIT makes constants, are
+not modelled.
 
 In a process where TRITON_INTERPRET was set before Triton was imported (CPU test runs)
 nothing can be compiled in-process, so :func:`compile_many` (and compile_for_target)
@@ -373,7 +375,8 @@ def _compile_in_subprocess(requests: Sequence[CompileRequest | AsmRequest]) -> l
         jobs.append({"module": inner.__module__, "name": inner.__name__, "signature": r.signature,
                      "constexprs": r.constexprs, "target": r.target, "num_warps": r.num_warps,
                      "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16),
-                     "pointers_over_2gib": list(r.pointers_over_2gib), "asm": item.kind if isinstance(item, AsmRequest) else None})
+                     "pointers_over_2gib": list(r.pointers_over_2gib),
+                     "asm": item.kind if isinstance(item, AsmRequest) else None})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included
 

@@ -15,20 +15,22 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
 
 ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on the
 state, for every chunk of every sequence in parallel: the norms and G (to a scratch
-tile); A and Aq by [16, 16] blocks of sub-chunks, one product each over the head dim with
-the decay split at the row block's first token (e^{G_r - G_j} =
-e^{G_r - G_ref} e^{G_ref - G_j}; below the diagonal both exponents are <= 0, so nothing
-overflows however strong the gate; on it the second reaches a sub-chunk's decay, taken as
-a product below e^80, else one key column at a time); T = (I + A)^-1 by blocks (the
-diagonal ones as a product of log2(16) factors, the others by products); W and U~; the
-factors the state pass multiplies by (q e^G, beta k e^{G_last - G}, e^{G_last}). Stored in
-workspaces per (chunk, head) (:func:`work_dtype`). Then ``kda_prefill_scan``: the state pass (by chunk
-groups where sequences x heads leave the GPU idle) and the outputs.
+tile); A and Aq by [16, 16] blocks of sub-chunks, one product each over the head dim
+(on AMD over 64-wide slices of it: :data:`HEAD_SLICE`) with the decay split at the row
+block's first token (e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}; below the diagonal
+both exponents are <= 0, so nothing overflows however strong the gate; on it the second
+reaches a sub-chunk's decay, taken as a product below e^80, else one key column at a
+time); T = (I + A)^-1 by blocks (the diagonal ones as a product of log2(16) factors, the
+others by products); W and U~; the factors the state pass multiplies by (q e^G, beta k
+e^{G_last - G}, e^{G_last}). Stored in workspaces per (chunk, head) (:func:`work_dtype`).
+Then ``kda_prefill_scan``: the state pass (by chunk groups where sequences x heads leave
+the GPU idle) and the outputs.
 
 Workspaces at D = DV = 128 in a bf16 model: about 72 KB per (chunk, head) of the
 preparation's outputs, 128 KB of fp32 scratch (q, k, G, A, T) freed after it, then each
 chunk's start state (32 KB): at most about 1.2 GB for 32K tokens at 12 heads, freed after
-the call (twice that for an fp32 model); ``RuntimeOptions.prefill_chunk`` bounds them.
+the call (about 1.7 GB for an fp32 model, whose outputs double);
+``RuntimeOptions.prefill_chunk`` bounds them.
 
 Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
 after the previous sequences', and the grids are sized for the worst case,
@@ -77,6 +79,8 @@ MAX_EXP = tl.constexpr(80.0)
 #: workgroups per gfx950 CU), one stage until measured
 WARPS = {"cuda": {"prep": 4, "scan": 4}, "hip": {"prep": 4, "scan": 4}}
 SCAN_STAGES = {"cuda": 2, "hip": 1}
+#: the kernels' pointers to workspaces in :func:`work_dtype`
+WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr")
 
 
 @triton.jit
@@ -295,6 +299,11 @@ def head_slice(backend: str, head_dim: int) -> int:
     return min(HEAD_SLICE[backend] or head_dim, head_dim)
 
 
+def w_block(head_dim: int, head_dim_v: int) -> int:
+    """The preparation's columns per W / U~ block (W_BLOCK; both head dims powers of two)."""
+    return min(W_BLOCK, head_dim, head_dim_v)
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the chunk factors the state pass and the outputs multiply by (W, U, q e^G,
     beta k e^{G_last - G}, Aq) and of the chunk start states: the model's for bf16 / fp16
@@ -347,15 +356,14 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(backend, D), BW=min(W_BLOCK, D, DV), DOT_PRECISION=precision,
-        num_warps=warps["prep"],
-        num_stages=1,
+        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(backend, D), BW=w_block(D, DV), DOT_PRECISION=precision,
+        num_warps=warps["prep"], num_stages=1,
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X[backend], D, DV)
     chunk_states = torch.empty((worst, H, D, DV), **work)
-    fp32_dot = interpreted()  # its tl.dot multiplies bf16 bit patterns (triton#11584)
+    fp32_dot = interpreted()  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
     c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
          "num_stages": SCAN_STAGES[backend]}
     if group_chunks is None:
@@ -394,7 +402,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
     precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
               "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": head_slice(backend, head_dim),
-              "BW": min(W_BLOCK, head_dim), "DOT_PRECISION": precision}
+              "BW": w_block(head_dim, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
                   **{p: f"*{wt}" for p in WORKSPACES},
@@ -418,10 +426,6 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
                          {**dims, "BT": CHUNK, "BV": bx, "FP32_DOT": False})):
         launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[backend]))
     return launches
-
-
-#: the kernels' pointers to workspaces in :func:`work_dtype`
-WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr")
 
 
 def register_kernels(device_type: str) -> None:

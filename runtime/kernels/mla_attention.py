@@ -290,5 +290,6 @@ def attention_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512
         ptrs = {"q_ptr": t, "kv_ptr": TRITON_DTYPES[kv_dtype], "cu_seqlens_ptr": "i32", "block_table_ptr": "i32",
                 "seq_lens_ptr": "i32", "position_offset_ptr": "i64" if split else "i32", "o_ptr": t, "lse_ptr": "fp32"}
         name = kernel.name + ("_context_split" if split else "") + ("_fp8" if fp8 else "")
-        launches.append(_kernel_launch(name, _mla_attention_kernel, ptrs, c, _NUM_WARPS, over_2gib=("kv_ptr",)))
+        launches.append(_kernel_launch(name, _mla_attention_kernel, ptrs, c, _NUM_WARPS,
+                                       pointers_over_2gib=("kv_ptr",)))
     return launches

@@ -127,12 +127,12 @@ _DIVISIBLE_STRIDES = ("stride_qb", "stride_qt", "stride_qh", "stride_kvb", "stri
 
 def _kernel_launch(name: str, fn, ptrs: dict[str, str], c: dict[str, object], num_warps: int,
                    num_stages: int = 1, typed: dict[str, str] | None = None,
-                   over_2gib: tuple[str, ...] = ()) -> KernelLaunch:
+                   pointers_over_2gib: tuple[str, ...] = ()) -> KernelLaunch:
     """``fn`` as a launcher specialises it (pointer types ``ptrs``, constexprs ``c``), for
     AOT checks with aot.compile_for_target; its strides of ``_DIVISIBLE_STRIDES`` marked so;
-    ``over_2gib``: its pointers to a layer's cache pool (KernelLaunch.pointers_over_2gib)."""
+    ``pointers_over_2gib``: its pointers to a layer's cache pool (KernelLaunch)."""
     return KernelLaunch(name, fn, _signature(fn, ptrs, c, typed), c, num_warps, num_stages,
-                        tuple(a for a in fn.arg_names if a in _DIVISIBLE_STRIDES), over_2gib)
+                        tuple(a for a in fn.arg_names if a in _DIVISIBLE_STRIDES), pointers_over_2gib)
 
 
 # ---------------------------------------------------------------------------------------

@@ -544,7 +544,7 @@ def split_kv_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512,
             typed, c = {}, {**c, "lat_desc": None, "pe_desc": None}
         name = f"{SPLIT_KV.name}_h{block_h}" + ("_fp8" if fp8 else "")
         launches.append(_kernel_launch(name, _mla_decode_split_kv_kernel, ptrs, c, cfg.num_warps, cfg.num_stages,
-                                       typed, over_2gib=("kv_ptr",)))
+                                       typed, pointers_over_2gib=("kv_ptr",)))
     return launches
 
 
