@@ -93,14 +93,14 @@ SWEEP = [(4, 32, 8, 2, 32), (4, 64, 4, 2, 64), (8, 64, 8, 2, 32), (4, 64, 4, 2, 
 
 @contextlib.contextmanager
 def launch_settings(prep_warps: int, w_block: int, scan_warps: int, stages: int, block_x: int):
-    """The CUDA launch tables of kda_prefill / kda_prefill_scan set for the block's calls."""
-    saved = dict(kp.WARPS["cuda"]), kp.W_BLOCK, dict(kp.SCAN_STAGES), dict(scan.BLOCK_X)
-    kp.WARPS["cuda"]["prep"], kp.W_BLOCK, kp.WARPS["cuda"]["scan"] = prep_warps, w_block, scan_warps
-    kp.SCAN_STAGES["cuda"], scan.BLOCK_X["cuda"] = stages, block_x
+    """The H200's (sm_90) launch tables of kda_prefill / kda_prefill_scan set for the block's calls."""
+    saved = dict(kp.WARPS["sm_90"]), kp.W_BLOCK, dict(kp.SCAN_STAGES), dict(scan.BLOCK_X)
+    kp.WARPS["sm_90"]["prep"], kp.W_BLOCK, kp.WARPS["sm_90"]["scan"] = prep_warps, w_block, scan_warps
+    kp.SCAN_STAGES["sm_90"], scan.BLOCK_X["sm_90"] = stages, block_x
     try:
         yield
     finally:
-        kp.WARPS["cuda"], kp.W_BLOCK, kp.SCAN_STAGES, scan.BLOCK_X = saved
+        kp.WARPS["sm_90"], kp.W_BLOCK, kp.SCAN_STAGES, scan.BLOCK_X = saved
 
 
 def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -194,7 +194,7 @@ def main() -> None:
                 o_peer = fn(x, s_peer)
                 row[f"err_vs_{name.split()[0]}"] = (rel_err(o, o_peer), rel_err(s_ours, s_peer))
                 row[f"{name} ms"] = round(timed(fn, x), 3)
-            value_tiles = DV // min(scan.BLOCK_X["cuda"], DV)
+            value_tiles = DV // min(scan.BLOCK_X["sm_90"], DV)
             row["groups"] = scan.group_size(batch, H, value_tiles, tokens * batch // kp.CHUNK + batch,
                                             scan.compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)

@@ -137,7 +137,7 @@ def test_attributes_are_what_the_jit_derives():
     checked = 0
     for backend, target in (("hip", "gfx950"), ("cuda", "sm_90")):
         launches = [*mla_decode.aot_launches(backend), mla_cache_write.aot_launch(torch.float8_e4m3fn),
-                    *kda_prefill.aot_requests(backend)]
+                    *kda_prefill.aot_requests(target)]
         for launch in launches:
             if any(str(ty).startswith("tensordesc") for ty in launch.signature.values()):
                 continue  # TMA descriptors (sm_90 split-KV): not tensors

@@ -97,8 +97,8 @@ def test_head_dim_slices_as_on_amd(monkeypatch):
     """The preparation's A / Aq over head-dim slices (AMD's layout, kda_prefill.HEAD_SLICE;
     the interpreter runs CUDA's whole-head-dim one otherwise): the same results, with K3's
     gate and with one strong enough to take the column-at-a-time path."""
-    for backend in kda_prefill.HEAD_SLICE:
-        monkeypatch.setitem(kda_prefill.HEAD_SLICE, backend, 16)
+    for target in kda_prefill.HEAD_SLICE:
+        monkeypatch.setitem(kda_prefill.HEAD_SLICE, target, 16)
     for strong in (False, True):
         x = make([1, 17, 40], D=32, DV=32, seed=4)
         if strong:  # as test_gates_stronger_than_k3s
@@ -207,7 +207,7 @@ def test_bad_inputs_are_refused_before_any_work():
 
 def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
     return {(t, launch.name): launch.request(t) for t in aot.TARGETS
-            for launch in kda_prefill.aot_requests("hip" if t.startswith("gfx") else "cuda")}
+            for launch in kda_prefill.aot_requests(t)}
 
 
 def test_kernels_compile_for_every_target(aot_reports):
@@ -228,4 +228,4 @@ def test_preparation_holds_two_workgroups_per_gfx950_cu(aot_reports):
     head-dim slices there, kda_prefill.HEAD_SLICE)."""
     prep = aot_reports[("gfx950", "kda_prefill prep")]
     # AMD reports waves per SIMD; a CU has 4 SIMDs
-    assert prep.occupancy * 4 // kda_prefill.WARPS["hip"]["prep"] >= 2, prep
+    assert prep.occupancy * 4 // kda_prefill.WARPS["gfx950"]["prep"] >= 2, prep

@@ -59,26 +59,28 @@ from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels import counted, interpreted
 from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
+from k3compile.runtime.kernels.targets import device_target
 
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
 CHUNK = 64
 SUB_CHUNK = 16
 #: columns per block of the preparation's W / U~ products (and the state factors)
 W_BLOCK = 64
-#: head-dim columns per A / Aq product, per backend (None: the whole head dim, a row
+#: head-dim columns per A / Aq product, per target (None: the whole head dim, a row
 #: block's operands loaded once). AMD: 64, for two workgroups per gfx950 CU (its 16-row
 #: MFMA operands sit whole in every wave; AOT, docs/kernels.md)
-HEAD_SLICE = {"cuda": None, "hip": 64}
+HEAD_SLICE = {"sm_90": None, "gfx950": 64, "gfx942": 64}
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
-#: warps of the preparation and of the state pass / group scan / outputs per backend, and
+#: warps of the preparation and of the state pass / group scan / outputs per target
+#: (``targets.device_target``), and
 #: the latter's software-pipeline stages (their loads do not depend on the carried state).
 #: CUDA: the fastest of an H200 sweep (benchmarks/kda_prefill.py --sweep, BENCHMARKS.md),
 #: none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
 #: workgroups per gfx950 CU), one stage until measured
-WARPS = {"cuda": {"prep": 4, "scan": 4}, "hip": {"prep": 4, "scan": 4}}
-SCAN_STAGES = {"cuda": 2, "hip": 1}
+WARPS = {"sm_90": {"prep": 4, "scan": 4}, "gfx950": {"prep": 4, "scan": 4}, "gfx942": {"prep": 4, "scan": 4}}
+SCAN_STAGES = {"sm_90": 2, "gfx950": 1, "gfx942": 1}
 #: the kernels' pointers to workspaces in :func:`work_dtype`
 WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr")
 
@@ -294,9 +296,9 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def head_slice(backend: str, head_dim: int) -> int:
-    """The preparation's head-dim columns per A / Aq product on ``backend`` (HEAD_SLICE)."""
-    return min(HEAD_SLICE[backend] or head_dim, head_dim)
+def head_slice(target: str, head_dim: int) -> int:
+    """The preparation's head-dim columns per A / Aq product on ``target`` (HEAD_SLICE)."""
+    return min(HEAD_SLICE[target] or head_dim, head_dim)
 
 
 def w_block(head_dim: int, head_dim_v: int) -> int:
@@ -351,21 +353,21 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
     precision = dot_precision(v.dtype)
-    backend = "hip" if torch.version.hip else "cuda"
-    warps = WARPS[backend]
+    target = device_target(dev)
+    warps = WARPS[target]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(backend, D), BW=w_block(D, DV), DOT_PRECISION=precision,
+        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(target, D), BW=w_block(D, DV), DOT_PRECISION=precision,
         num_warps=warps["prep"], num_stages=1,
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)
-    bx = min(scan.BLOCK_X[backend], D, DV)
+    bx = min(scan.BLOCK_X[target], D, DV)
     chunk_states = torch.empty((worst, H, D, DV), **work)
     fp32_dot = interpreted()  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
     c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
-         "num_stages": SCAN_STAGES[backend]}
+         "num_stages": SCAN_STAGES[target]}
     if group_chunks is None:
         group_chunks = scan.group_size(N, H, DV // bx, worst, scan.compute_units(dev)) or 0
     if group_chunks:
@@ -392,16 +394,16 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     return o
 
 
-def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
+def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
-    """Every kernel as the launcher runs it on ``backend`` ("cuda" or "hip") at K3's
+    """Every kernel as the launcher runs it on ``target`` (a key of ``aot.TARGETS``) at K3's
     per-rank shapes (12 heads, D = DV = 128): the preparation, the state pass (states and
     group summaries), the group scan and the outputs."""
-    warps = WARPS[backend]
+    warps = WARPS[target]
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
     prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
-              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": head_slice(backend, head_dim),
+              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": head_slice(target, head_dim),
               "BW": w_block(head_dim, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
@@ -410,7 +412,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
                   "scale": "fp32", "eps": "fp32"}
     launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"])]
-    bx = min(scan.BLOCK_X[backend], head_dim)
+    bx = min(scan.BLOCK_X[target], head_dim)
     fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",
            "seq_group0_ptr", "seq_groups_ptr", "cu_ptr", "chunk_seq_ptr", "chunk_first_ptr", "n_chunks_ptr")
@@ -424,7 +426,7 @@ def aot_requests(backend: str, heads: int = 12, head_dim: int = 128,
                         ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx}),
                         ("kda_prefill outputs", scan._kda_chunk_output_kernel,
                          {**dims, "BT": CHUNK, "BV": bx, "FP32_DOT": False})):
-        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[backend]))
+        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[target]))
     return launches
 
 

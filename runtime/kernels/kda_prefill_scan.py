@@ -39,9 +39,9 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 
-#: columns of a state (or summary) tile per program, per backend (CUDA: an H200 sweep,
+#: columns of a state (or summary) tile per program, per target (sm_90: an H200 sweep,
 #: BENCHMARKS.md; AMD: no spills at 4 warps, AOT)
-BLOCK_X = {"cuda": 64, "hip": 32}
+BLOCK_X = {"sm_90": 64, "gfx950": 32, "gfx942": 32}
 
 
 @counted

@@ -86,8 +86,9 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_si
 from k3compile.runtime.kernels import counted, routing
 from k3compile.runtime.kernels.counters import ArrivalCounters
 from k3compile.runtime.kernels.moe_plans import (  # noqa: F401  (the plans are part of this module's API)
-    PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, device_target, grouped_blocks,
+    PLANS, GemmPlan, MoePlan, TargetPlans, _check_plan, _fit, choose_plan, grouped_blocks,
 )
+from k3compile.runtime.kernels.targets import device_target
 
 COMBINE_BLOCK = 1024  # output columns per combine program, one token each (56 registers on sm_90, 62 VGPRs on
 # gfx950; 4 tokens: 144 / 260); 4 tokens per program under the interpreter, whose cost is per program

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 import triton
 
 
@@ -101,15 +100,6 @@ _CDNA = TargetPlans(
     prefill_min_pairs=65536,
 )
 PLANS: dict[str, TargetPlans] = {"sm_90": _SM90, "gfx950": _CDNA, "gfx942": _CDNA}
-
-
-def device_target(device: torch.device) -> str:
-    """The plan table's key for a device: "gfx950" / "gfx942" on ROCm, "sm_90" otherwise
-    (other NVIDIA GPUs and the CPU interpreter use the H200's plans)."""
-    if device.type == "cuda" and torch.version.hip:
-        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
-        return arch if arch in PLANS else "gfx942"
-    return "sm_90"
 
 
 def choose_plan(pairs: int, target: str = "sm_90") -> MoePlan:

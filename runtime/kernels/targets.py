@@ -1,0 +1,24 @@
+"""The GPU a launch runs on, named by the compile target whose launch tables it takes.
+
+Launch choices (tiles, warps, stages, layouts) belong to a target, not to a vendor: an
+MI355X (gfx950) and an MI300X (gfx942) differ in LDS per CU and in what a kernel
+compiles to. Tables are keyed by the targets of ``aot.TARGETS``, so that the launches CI
+compiles for a target are the ones a runtime on it makes: "sm_90" (the H200; other
+NVIDIA GPUs and the CPU interpreter take its table), "gfx950" (MI355X), "gfx942"
+(MI300X; other AMD GPUs take its table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the AMD targets with tables of their own
+AMD_TARGETS = ("gfx950", "gfx942")
+
+
+def device_target(device: torch.device) -> str:
+    """The launch-table key for ``device`` (module docstring)."""
+    if device.type == "cuda" and torch.version.hip:
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        return arch if arch in AMD_TARGETS else "gfx942"
+    return "sm_90"
