@@ -52,11 +52,12 @@ from k3compile.ops.mla import mla_decode_reference
 from k3compile.runtime.kernels import mla_attention as ak
 from k3compile.runtime.kernels import mla_common as mc
 from k3compile.runtime.kernels import mla_split_kv as sk
+from k3compile.runtime.kernels.targets import device_target
 
 LATENT, ROPE = 512, 64
 WIDTH = LATENT + ROPE
 SCALE = 192 ** -0.5  # K3: (qk_nope 128 + rope 64) ** -0.5
-BACKEND = "hip" if torch.version.hip else "cuda"
+TARGET = device_target(torch.device("cuda"))  # the launch tables of this GPU
 
 
 def padded(heads: int) -> int:
@@ -181,7 +182,7 @@ def bench_shape(heads: int, batch: int, context: int, args, gen: torch.Generator
 
     row["generic_s"] = graph_time(per_copy(lambda c: lambda: ak.mla_decode_generic(
         q, c, table, seq_lens, SCALE, LATENT)), args.repeats)
-    config = sk.split_kv_config(BACKEND, padded(heads))
+    config = sk.split_kv_config(TARGET, padded(heads))
     if args.block_n:
         config = dataclasses.replace(config, block_n=args.block_n)
     splits = sk.choose_num_splits(batch, padded(heads), table.shape[1] * args.block_size, sms, config)
@@ -229,7 +230,7 @@ def sweep_configs(heads: int, tiles: str = SWEEP_TILES) -> list[sk.SplitKVConfig
     """The default launch first, then the KV tile / warps / stages variants at its head
     tile, then the other head tiles (16 / 32 / 64 that fit the head count, each at its
     own default launch)."""
-    default = sk.split_kv_config(BACKEND, heads)
+    default = sk.split_kv_config(TARGET, heads)
     configs = [default]
     for block_n, warps, stages, tma in parse_tiles(tiles):
         # a 64-head tile needs 8 warps for its [512, 64] fp32 accumulator
@@ -238,7 +239,7 @@ def sweep_configs(heads: int, tiles: str = SWEEP_TILES) -> list[sk.SplitKVConfig
         configs += [c] if c not in configs else []
     for block_h in (16, 32, 64):
         if block_h != default.block_h and block_h <= padded(heads):
-            c = dataclasses.replace(sk.split_kv_config(BACKEND, block_h), block_h=block_h)
+            c = dataclasses.replace(sk.split_kv_config(TARGET, block_h), block_h=block_h)
             configs += [c] if c not in configs else []
     return configs
 

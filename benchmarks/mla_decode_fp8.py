@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from gpu_timing import copy_bandwidth, graph_time
-from mla_decode import BACKEND, LATENT, SCALE, WIDTH, RaggedCase, cache_copies, close, padded, padded_split_kv
+from mla_decode import TARGET, LATENT, SCALE, WIDTH, RaggedCase, cache_copies, close, padded, padded_split_kv
 
 from k3compile.mla_cache_fp8 import fp8_row_width, quantize_rows
 from k3compile.ops.mla import mla_cache_write_reference, mla_decode_reference
@@ -55,7 +55,7 @@ def to_fp8(cache: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_configs(heads: int, tiles: str) -> list[sk.SplitKVConfig]:
-    default = sk.split_kv_config(BACKEND, heads, torch.bfloat16, FP8)
+    default = sk.split_kv_config(TARGET, heads, torch.bfloat16, FP8)
     configs = [default]
     for item in filter(None, tiles.split(",")):
         tma = item.endswith("t")
@@ -122,7 +122,7 @@ def bench_shape(heads: int, batch: int, context: int, configs: list[sk.SplitKVCo
     q = torch.randn(batch, heads, WIDTH, generator=gen, device="cuda").bfloat16()
     q_pad = torch.zeros(batch, padded(heads), WIDTH, dtype=q.dtype, device="cuda") if padded(heads) != heads else None
     rows = []
-    for kind, launches in (("bf16", [sk.split_kv_config(BACKEND, padded(heads))]), ("fp8", configs)):
+    for kind, launches in (("bf16", [sk.split_kv_config(TARGET, padded(heads))]), ("fp8", configs)):
         kv_bytes = batch * context * ROW_BYTES[kind]
         copies = 1 if args.l2_resident else cache_copies(kv_bytes, l2_bytes)
         caches = []

@@ -55,7 +55,7 @@ def pieces(gen: torch.Generator, l2: int) -> None:
             caches, table, seq_lens = paged_cache(1, context, 64, gen, cache_copies(context * WIDTH * 2, l2))
             q = torch.randn(1, heads, WIDTH, device="cuda").bfloat16()
             q12, q_pad = q[:, :12].clone(), torch.zeros_like(q)
-            cfg = sk.split_kv_config("cuda", heads)
+            cfg = sk.split_kv_config("sm_90", heads)
             pad = graph_time([lambda: q_pad[:, :12].copy_(q12)] * len(caches), REPEATS)
             print(f"h{heads} ctx{context}: pad 12 -> {heads} heads {pad * 1e6:.1f} us", flush=True)
             for s in (16, 32, 64, 128, 132, 192, 256, 264, 512):
@@ -87,7 +87,7 @@ def splits(gen: torch.Generator, l2: int) -> None:
         kv = batch * context * WIDTH * 2
         caches, table, seq_lens = paged_cache(batch, context, 64, gen, cache_copies(kv, l2))
         q = torch.randn(batch, heads, WIDTH, device="cuda").bfloat16()
-        cfgs = [sk.split_kv_config("cuda", heads)]
+        cfgs = [sk.split_kv_config("sm_90", heads)]
         if heads == 32:
             cfgs.append(dataclasses.replace(cfgs[0], block_h=16))
         default = sk.choose_num_splits(batch, heads, table.shape[1] * 64, 132, cfgs[0])

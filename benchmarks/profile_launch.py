@@ -26,7 +26,7 @@ def mla(args: argparse.Namespace) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     (cache,), table, seq_lens = paged_cache(args.batch, args.context, 64, gen)
     q = torch.randn(args.batch, args.heads, WIDTH, generator=gen, device="cuda").bfloat16()
-    config = sk.split_kv_config("cuda", args.heads)
+    config = sk.split_kv_config("sm_90", args.heads)
     config = dataclasses.replace(
         config, block_n=args.block_n or config.block_n, num_warps=args.warps or config.num_warps,
         num_stages=args.stages or config.num_stages, tma=config.tma and not args.pointers)

@@ -188,7 +188,6 @@ def test_o_tolerance_catches_a_dropped_split():
 # --------------------------------------------------------------------------- K3 per-rank shapes
 
 K3_LATENT, K3_ROPE, K3_BLOCK = 512, 64, 64  # cache rows of 576, value 512; h200's 64-token blocks
-K3_TARGETS = {"cuda": "sm_90", "hip": "gfx950"}  # the split-KV plans of an H200 and of an MI355X
 
 
 @pytest.fixture
@@ -199,16 +198,16 @@ def fast():
         yield
 
 
-def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan: tuple[int, bool, int],
+def k3_split_kv(q: torch.Tensor, target: str, lens: list[int], seed: int, plan: tuple[int, bool, int],
                 kv_dtype: torch.dtype | None = None):
     """K3-width cache (64-token blocks, NaN past every context; of ``kv_dtype``) for
-    ``lens``; split-KV on ``q`` with the launch the launcher picks on ``backend``'s target
+    ``lens``; split-KV on ``q`` with the launch the launcher picks on ``target``
     (asserted: head tile, descriptor tiles, splits); returns the outputs and the cache,
     table, seq_lens, scale."""
     _, cache, table, seq_lens, scale = case(1, K3_LATENT, K3_ROPE, lens, K3_BLOCK, seed=seed, kv_dtype=kv_dtype)
     cache = poison_past_contexts(cache, table, seq_lens)
-    config = sk.split_kv_config(backend, q.shape[1], q.dtype, kv_dtype)
-    units = aot.TARGETS[K3_TARGETS[backend]].compute_units
+    config = sk.split_kv_config(target, q.shape[1], q.dtype, kv_dtype)
+    units = aot.TARGETS[target].compute_units
     splits = sk.choose_num_splits(q.shape[0], q.shape[1], table.shape[1] * K3_BLOCK, units, config)
     descriptors = config.tma and sk._kv_descriptors(cache, K3_LATENT, config.block_n) is not None
     assert (config.block_h, config.block_n, descriptors, splits) == (plan[0], 32, plan[1], plan[2])
@@ -218,11 +217,11 @@ def k3_split_kv(q: torch.Tensor, backend: str, lens: list[int], seed: int, plan:
 
 # (head tile, KV tiles by tensor descriptors, splits) the launcher picks on each target
 # (over an FP8 cache sm_90 gathers through pointers: split_kv_config)
-@pytest.mark.parametrize("backend, kv_dtype, plan", [
-    ("cuda", None, (16, True, 10)), ("hip", None, (16, False, 10)),
-    ("cuda", torch.float8_e4m3fn, (16, False, 10)), ("hip", torch.float8_e4m3fn, (16, False, 10))],
-    ids=["cuda-bf16-cache", "hip-bf16-cache", "cuda-fp8-cache", "hip-fp8-cache"])
-def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, kv_dtype, plan):
+@pytest.mark.parametrize("target, kv_dtype, plan", [
+    ("sm_90", None, (16, True, 10)), ("gfx950", None, (16, False, 10)),
+    ("sm_90", torch.float8_e4m3fn, (16, False, 10)), ("gfx950", torch.float8_e4m3fn, (16, False, 10))],
+    ids=["sm90-bf16-cache", "gfx950-bf16-cache", "sm90-fp8-cache", "gfx950-fp8-cache"])
+def test_k3_split_kv_twelve_heads_padded_to_16(fast, target, kv_dtype, plan):
     """K3 at TP8: 12 heads per rank, zero-padded to 16 by k3::pad_heads (what the
     pad_attention_heads pass inserts), split-KV, the padding cut off by k3::narrow_heads:
     the 12 real heads equal the reference on 12 heads. Contexts: empty, one token, a block
@@ -231,7 +230,7 @@ def test_k3_split_kv_twelve_heads_padded_to_16(fast, backend, kv_dtype, plan):
     lens = [0, 1, 64, 65, 300]
     gen = torch.Generator().manual_seed(12)
     q12 = torch.randn(len(lens), 12, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
-    (o, lse), args = k3_split_kv(torch.ops.k3.pad_heads(q12, 16), backend, lens, seed=12, plan=plan,
+    (o, lse), args = k3_split_kv(torch.ops.k3.pad_heads(q12, 16), target, lens, seed=12, plan=plan,
                                  kv_dtype=kv_dtype)
     check((torch.ops.k3.narrow_heads(o, 12), torch.ops.k3.narrow_heads(lse, 12)), reference(q12, *args, K3_LATENT))
 
@@ -243,7 +242,7 @@ def test_k3_split_kv_96_gathered_heads(fast):
     lens = [65, 300]
     gen = torch.Generator().manual_seed(96)
     q = torch.randn(len(lens), 96, K3_LATENT + K3_ROPE, generator=gen).bfloat16().to(DEVICE)
-    got, args = k3_split_kv(q, "cuda", lens, seed=96, plan=(32, True, 10))
+    got, args = k3_split_kv(q, "sm_90", lens, seed=96, plan=(32, True, 10))
     check(got, reference(q, *args, K3_LATENT))
 
 
@@ -426,32 +425,32 @@ def test_op_kernel_takes_the_first_kernel_that_accepts(monkeypatch):
 
 def test_split_kv_config_head_tiles():
     """The widest head tile that divides the heads: no padded head rows computed."""
-    def tile(backend, heads, dtype=torch.bfloat16):
-        return sk.split_kv_config(backend, heads, dtype).block_h
-    assert [tile("cuda", h) for h in (16, 32, 48, 64, 96, 128)] == [16, 32, 16, 64, 32, 64]
-    assert [tile("hip", h) for h in (16, 32, 48, 64, 96)] == [16, 32, 16, 32, 32]  # 64 heads spill on AMD
-    assert tile("cuda", 64, torch.float32) == 16
-    sm90 = sk.split_kv_config("cuda", 64)
+    def tile(target, heads, dtype=torch.bfloat16):
+        return sk.split_kv_config(target, heads, dtype).block_h
+    assert [tile("sm_90", h) for h in (16, 32, 48, 64, 96, 128)] == [16, 32, 16, 64, 32, 64]
+    assert [tile("gfx950", h) for h in (16, 32, 48, 64, 96)] == [16, 32, 16, 32, 32]  # 64 heads spill on AMD
+    assert tile("sm_90", 64, torch.float32) == 16
+    sm90 = sk.split_kv_config("sm_90", 64)
     assert sm90.num_warps == 8 and sm90.num_stages == 3 and sm90.block_n == 32
 
 
 def test_num_splits_fill_the_gpu():
     """One wave of resident programs (SMs x programs_per_sm) where the context allows,
     splits no shorter than a KV tile, the fewest splits of least cost."""
-    h16 = sk.split_kv_config("cuda", 16)  # 2 programs per SM
+    h16 = sk.split_kv_config("sm_90", 16)  # 2 programs per SM
     # batch 1 at 32K on an H200: 256 splits of 128 rows fill the 264 slots once
     assert sk.choose_num_splits(1, 16, 32768, 132, h16) == 256
     # batch 16: 16 splits = 256 programs, one wave (17 would spill 8 programs into a second)
     assert sk.choose_num_splits(16, 16, 32768, 132, h16) == 16
     # 96 heads = 3 head tiles: 11 splits x 48 = 528 programs, two whole waves
-    assert sk.choose_num_splits(16, 96, 32768, 132, sk.split_kv_config("cuda", 96)) == 11
+    assert sk.choose_num_splits(16, 96, 32768, 132, sk.split_kv_config("sm_90", 96)) == 11
     # short contexts: never more splits than KV tiles; none for an empty table
     assert sk.choose_num_splits(1, 16, 100, 132, h16) == 4
     assert sk.choose_num_splits(1, 16, 0, 132, h16) == 1
     # a large batch fills the GPU alone
     assert sk.choose_num_splits(256, 16, 1024, 132, h16) == 1
     # MI355X: 256 CUs x 2
-    assert sk.choose_num_splits(1, 16, 32768, 256, sk.split_kv_config("hip", 16)) == 256
+    assert sk.choose_num_splits(1, 16, 32768, 256, sk.split_kv_config("gfx950", 16)) == 256
     for batch, ctx in ((1, 1024), (4, 8192), (16, 131072), (64, 4096)):
         splits = sk.choose_num_splits(batch, 16, ctx, 132, h16)
         assert 1 <= splits <= min(sk.MAX_SPLITS, -(-ctx // h16.block_n))
@@ -467,14 +466,13 @@ def _k3_builds() -> list[tuple[aot.KernelLaunch, str]]:
     FP8 cache each target's ``--kv-cache-dtype fp8`` gives (E4M3; fnuz on gfx942), and the
     FP8 cache write."""
     builds = []
-    for backend, targets in (("hip", ("gfx950", "gfx942")), ("cuda", ("sm_90",))):
-        for target in targets:
-            fp8 = torch.float8_e4m3fnuz if target == "gfx942" else torch.float8_e4m3fn
-            for kv_dtype in (torch.bfloat16, fp8):
-                builds += [(launch, target) for launch in mk.aot_launches(backend, qk_dim=576, value_dim=512,
-                                                                          dtype=torch.bfloat16, kv_dtype=kv_dtype)
-                           if not (kv_dtype == fp8 and launch.name in CACHE_FREE)]
-            builds.append((cw.aot_launch(fp8), target))
+    for target in ("gfx950", "gfx942", "sm_90"):
+        fp8 = torch.float8_e4m3fnuz if target == "gfx942" else torch.float8_e4m3fn
+        for kv_dtype in (torch.bfloat16, fp8):
+            builds += [(launch, target) for launch in mk.aot_launches(target, qk_dim=576, value_dim=512,
+                                                                      dtype=torch.bfloat16, kv_dtype=kv_dtype)
+                       if not (kv_dtype == fp8 and launch.name in CACHE_FREE)]
+        builds.append((cw.aot_launch(fp8), target))
     return builds
 
 
@@ -510,7 +508,7 @@ def test_every_kernel_compiles_and_fits_amd_targets(aot_reports):
         if launch.name.startswith(sk.SPLIT_KV.name):
             block_h = launch.constexprs["BLOCK_H"]
             kv_dtype = (torch.float8_e4m3fnuz if target == "gfx942" else torch.float8_e4m3fn) if fp8 else None
-            config = sk.split_kv_config("hip" if amd else "cuda", block_h, torch.bfloat16, kv_dtype)
+            config = sk.split_kv_config(target, block_h, torch.bfloat16, kv_dtype)
             # AMD reports waves per SIMD, 4 SIMDs per CU; NVIDIA warps per SM
             per_unit = res.occupancy * (4 if amd else 1) // launch.num_warps
             assert per_unit == config.programs_per_sm, (launch.name, target, per_unit, config)

@@ -48,7 +48,7 @@ def test_expanded_matches_reference_on_ragged_sequences_with_history(dtype):
     """Prompts and continuations in one batch: a sequence without history, ones with
     history, one new token, a sequence with none, and one whose new tokens span several
     row tiles (past BLOCK_M) so that tiles see unmasked and diagonal position tiles."""
-    block_m = ex.expanded_config("cuda", dtype).block_m
+    block_m = ex.expanded_config("sm_90", dtype).block_m
     new = [5, 1, 0, block_m + 37, 9]
     contexts = [5, 30, 11, block_m + 61, 9 + 64]
     q, cache, kv_b, cu, table, seq_lens = prefill_case(contexts, new, dtype)
@@ -71,7 +71,7 @@ def test_expanded_matches_reference_on_ragged_sequences_with_history(dtype):
 def test_expanded_every_new_token_count_around_a_row_tile():
     """New tokens at every residue around BLOCK_M (the tile's last row and the next tile's
     first), each after a history that is not a multiple of BLOCK_N."""
-    block_m = ex.expanded_config("cuda", torch.float32).block_m
+    block_m = ex.expanded_config("sm_90", torch.float32).block_m
     new = [block_m - 1, block_m, block_m + 1, 2 * block_m + 3]
     contexts = [n + 13 for n in new]
     q, cache, kv_b, cu, table, seq_lens = prefill_case(contexts, new, torch.float32, seed=5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from k3compile.runtime.kernels import aot, kda_prefill, kda_prefill_scan, moe_plans
+from k3compile.runtime.kernels import aot, kda_prefill, kda_prefill_scan, mla_prefill_expanded, mla_split_kv, moe_plans
 from k3compile.runtime.kernels.targets import AMD_TARGETS, device_target
 
 
@@ -21,3 +21,14 @@ def test_tables_cover_every_compile_target():
               "moe_plans.PLANS": moe_plans.PLANS}
     for name, table in tables.items():
         assert set(table) == set(aot.TARGETS), name
+
+
+def test_mla_launches_by_target():
+    """The MLA launch choices by target: tensor-descriptor tiles and 64-head tiles only on
+    sm_90, one software-pipeline stage on AMD (both AMD targets alike until measured)."""
+    for target in aot.TARGETS:
+        split_kv = mla_split_kv.split_kv_config(target, 16)
+        expanded = mla_prefill_expanded.expanded_config(target, torch.bfloat16)
+        amd = target in AMD_TARGETS
+        assert split_kv.tma == (not amd) and expanded.num_stages == (1 if amd else 3), target
+        assert (64 in mla_split_kv.split_kv_head_tiles(target)) == (not amd), target

@@ -32,7 +32,6 @@ from k3compile.runtime.kernels.mla_common import (
     HEAD_TILE,
     LOG2E,
     MLAKernel,
-    _backend,
     _check_decode_batch,
     _check_inputs,
     _dot_constexprs,
@@ -41,6 +40,7 @@ from k3compile.runtime.kernels.mla_common import (
     _kernel_launch,
     _widths,
 )
+from k3compile.runtime.kernels.targets import device_target
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _mla_attention_kernel(
 _NUM_WARPS = 4
 
 
-def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int:
+def default_block_n(matrix_units: bool, target: str, dtype: torch.dtype) -> int:
     """KV rows per tile of the prefill (matrix units) and generic kernels, from the AOT
     reports (tests/test_kernel_mla_decode.py prints them). The split-KV kernel's come from
     ``mla_split_kv.split_kv_config``.
@@ -176,7 +176,7 @@ def default_block_n(matrix_units: bool, backend: str, dtype: torch.dtype) -> int
     memory without spills (64 rows spill). fp32 rows are twice as wide: half as many (at
     least 16, the smallest dot). Generic kernel: 16, its [16, L] fp32 product lives in
     registers."""
-    rows = 32 if matrix_units and backend == "cuda" else 16
+    rows = 32 if matrix_units and target == "sm_90" else 16
     return max(16, rows // 2) if dtype == torch.float32 else rows
 
 
@@ -215,7 +215,7 @@ def _launch(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, cu_seqlens: Tensor |
     lse = _empty((T, H), torch.float32, q.device)
     if T == 0 or max_new_tokens == 0:
         return o, lse
-    block_n = block_n or default_block_n(kernel is not GENERIC, _backend(), q.dtype)
+    block_n = block_n or default_block_n(kernel is not GENERIC, device_target(q.device), q.dtype)
     c = _attention_constexprs(kernel, W, value_dim, q.dtype, block_n, is_fp8_cache(kv_cache),
                               context_split=split is not None)
     offset, dcp, interleave = split if split is not None else (seq_lens, 1, 1)  # (the offset unread then)
@@ -275,9 +275,9 @@ GENERIC = MLAKernel("mla_decode_generic", "decode", 1, _DTYPES, 576, 512, False,
 PREFILL = MLAKernel("mla_prefill_absorbed", "prefill", 1, _DTYPES, 576, 512, False, mla_prefill_absorbed)
 
 
-def attention_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512,
+def attention_aot_launches(target: str, qk_dim: int = 576, value_dim: int = 512,
                            dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> list[KernelLaunch]:
-    """The generic and prefill kernels as their launchers specialise them on ``backend``
+    """The generic and prefill kernels as their launchers specialise them on ``target``
     ("hip" or "cuda") for a ``kv_dtype`` cache (default ``dtype``), for AOT checks."""
     t = TRITON_DTYPES[dtype]
     kv_dtype = kv_dtype or dtype
@@ -285,7 +285,7 @@ def attention_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512
     launches = []
     for kernel, split in ((GENERIC, False), (PREFILL, False), (PREFILL, True)):
         c = _attention_constexprs(kernel, qk_dim, value_dim, dtype,
-                                  default_block_n(kernel is not GENERIC, backend, dtype), fp8, interpreted=False,
+                                  default_block_n(kernel is not GENERIC, target, dtype), fp8, interpreted=False,
                                   context_split=split)
         ptrs = {"q_ptr": t, "kv_ptr": TRITON_DTYPES[kv_dtype], "cu_seqlens_ptr": "i32", "block_table_ptr": "i32",
                 "seq_lens_ptr": "i32", "position_offset_ptr": "i64" if split else "i32", "o_ptr": t, "lse_ptr": "fp32"}

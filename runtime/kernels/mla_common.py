@@ -91,11 +91,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------
 
 
-def _backend() -> str:
-    """"hip" on ROCm builds of torch, else "cuda" (also the interpreter's choice)."""
-    return "hip" if torch.version.hip else "cuda"
-
-
 def _widths(qk_dim: int, value_dim: int) -> dict[str, int]:
     L, R = value_dim, qk_dim - value_dim
     return {"L": L, "R": R, "BLOCK_L": max(16, triton.next_power_of_2(L)), "BLOCK_R": max(16, triton.next_power_of_2(R))}

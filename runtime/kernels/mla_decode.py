@@ -129,14 +129,14 @@ def register_kernels(device_type: str) -> None:
     mla_ops.mla_prefill.register_kernel(device_type)(mla_prefill_op)
 
 
-def aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
+def aot_launches(target: str, qk_dim: int = 576, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16,
                  num_splits: int = 64, kv_dtype: torch.dtype | None = None) -> list[KernelLaunch]:
-    """Every MLA kernel as the launchers specialise it on ``backend`` ("hip" or "cuda") for
+    """Every MLA kernel as the launchers specialise it on ``target`` (a key of ``aot.TARGETS``) for
     a ``kv_dtype`` cache (default ``dtype``; an FP8 format: the FP8 layout), for AOT checks
     with aot.compile_for_target: the split-KV kernel once per head tile
     (``mla_decode_split_kv_h16`` ...), the generic and prefill kernels, the split combine
     and the expanded prefill kernel (which read no cache: the same for every cache) at
     K3's per-head widths."""
-    return [*split_kv_aot_launches(backend, qk_dim, value_dim, dtype, kv_dtype),
-            *attention_aot_launches(backend, qk_dim, value_dim, dtype, kv_dtype),
-            combine_aot_launch(value_dim, dtype, num_splits), expanded.aot_launch(backend, dtype)]
+    return [*split_kv_aot_launches(target, qk_dim, value_dim, dtype, kv_dtype),
+            *attention_aot_launches(target, qk_dim, value_dim, dtype, kv_dtype),
+            combine_aot_launch(value_dim, dtype, num_splits), expanded.aot_launch(target, dtype)]

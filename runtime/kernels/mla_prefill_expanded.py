@@ -38,11 +38,11 @@ from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch
 from k3compile.runtime.kernels.mla_common import (
     _INTERPRETED,
     LOG2E,
-    _backend,
     _dot_constexprs,
     _empty,
     _kernel_launch,
 )
+from k3compile.runtime.kernels.targets import device_target
 
 
 @counted
@@ -153,14 +153,14 @@ class ExpandedConfig:
     num_stages: int
 
 
-def expanded_config(backend: str, dtype: torch.dtype) -> ExpandedConfig:
-    """Tiles and warps per backend at K3's shapes (Dn = Dv = 128, R = 64): on CUDA the
+def expanded_config(target: str, dtype: torch.dtype) -> ExpandedConfig:
+    """Tiles and warps per target at K3's shapes (Dn = Dv = 128, R = 64): on CUDA the
     fastest of an H200 sweep (BENCHMARKS.md), on AMD from the AOT resources (docs/kernels.md:
     two workgroups per CU, the pipelined loads' LDS left to the compiler). fp32 tiles are
     twice as wide: half the rows."""
     if dtype == torch.float32:
         return ExpandedConfig(64, 32, 4, 1)
-    return ExpandedConfig(128, 64, 8, 3) if backend == "cuda" else ExpandedConfig(128, 64, 8, 1)
+    return ExpandedConfig(128, 64, 8, 3) if target == "sm_90" else ExpandedConfig(128, 64, 8, 1)
 
 
 def _constexprs(nope: int, rope: int, value: int, dtype: torch.dtype, config: ExpandedConfig,
@@ -184,7 +184,7 @@ def expanded_attention(q: Tensor, ctx: ExpandedContext, cu_seqlens: Tensor, scal
                        config: ExpandedConfig | None = None) -> Tensor:
     """The kernel: causal attention of q [T, H, Dn + R] (sequence n's new tokens at rows
     cu_seqlens[n]:cu_seqlens[n+1], its last positions) over ``ctx`` -> o [T, H, Dv].
-    ``config``: the backend's (:func:`expanded_config`) unless given."""
+    ``config``: the target's (:func:`expanded_config`) unless given."""
     T, H, _ = q.shape
     R = ctx.k_pe.shape[1]
     Dn = q.shape[-1] - R
@@ -193,7 +193,7 @@ def expanded_attention(q: Tensor, ctx: ExpandedContext, cu_seqlens: Tensor, scal
     if T == 0:
         return o
     q = q if q.stride(-1) == 1 else q.contiguous()
-    config = config or expanded_config(_backend(), q.dtype)
+    config = config or expanded_config(device_target(q.device), q.dtype)
     grid = (triton.cdiv(max_new_tokens, config.block_m), H, ctx.cu.numel() - 1)
     _mla_expanded_kernel[grid](
         q, ctx.kv, ctx.k_pe, cu_seqlens, ctx.cu, o, scale * LOG2E,
@@ -247,11 +247,11 @@ def prefill_form(counts: PrefillCounts, heads: int, latent: int, rope: int, nope
     return "expanded" if expanded * ABSORBED_RELATIVE_RATE < absorbed else "absorbed"
 
 
-def aot_launch(backend: str, dtype: torch.dtype = torch.bfloat16, nope: int = 128, rope: int = 64,
+def aot_launch(target: str, dtype: torch.dtype = torch.bfloat16, nope: int = 128, rope: int = 64,
                value: int = 128) -> KernelLaunch:
-    """The kernel as :func:`mla_prefill_expanded` specialises it on ``backend`` at K3's widths."""
+    """The kernel as :func:`mla_prefill_expanded` specialises it on ``target`` at K3's widths."""
     t = TRITON_DTYPES[dtype]
-    config = expanded_config(backend, dtype)
+    config = expanded_config(target, dtype)
     c = _constexprs(nope, rope, value, dtype, config, interpreted=False)
     ptrs = {"q_ptr": t, "kv_ptr": t, "pe_ptr": t, "cu_q_ptr": "i32", "cu_kv_ptr": "i32", "o_ptr": t}
     return _kernel_launch("mla_prefill_expanded", _mla_expanded_kernel, ptrs, c, config.num_warps, config.num_stages)

@@ -43,7 +43,6 @@ from k3compile.runtime.kernels.mla_common import (
     HEAD_TILE,
     LOG2E,
     MLAKernel,
-    _backend,
     _check_decode_batch,
     _check_inputs,
     _dot_constexprs,
@@ -52,6 +51,7 @@ from k3compile.runtime.kernels.mla_common import (
     _kernel_launch,
     _widths,
 )
+from k3compile.runtime.kernels.targets import AMD_TARGETS, device_target
 
 #: what a KV split costs besides its KV tiles, in cache rows (1152 B each at K3's width),
 #: for choose_num_splits: its fp32 partial (16 heads x 512 x 4 B = 32 KiB ~ 28 rows)
@@ -295,7 +295,8 @@ _COMBINE_WARPS = 1
 
 #: 64-row KV tiles gave wrong outputs (1 stage) and illegal memory accesses (H=32) on an
 #: H200 in the launch sweep, by tensor descriptors too (Triton 3.6; the score product is a
-#: wgmma there); until that is understood the launcher refuses them on GPUs.
+#: wgmma there); until that is understood the launcher refuses them on NVIDIA GPUs (AMD
+#: compiles another kernel: its limits come from its own resources, issue #24).
 MAX_SPLIT_KV_BLOCK_N = 32
 
 
@@ -326,19 +327,19 @@ FP8_CUDA_CONFIGS = {
 }
 
 
-def split_kv_head_tiles(backend: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
-    """The head tiles :func:`split_kv_config` uses on ``backend``. 64 heads hold a [512,
+def split_kv_head_tiles(target: str, dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """The head tiles :func:`split_kv_config` uses on ``target``. 64 heads hold a [512,
     64] fp32 accumulator, which fits sm_90's 8 warps but spills VGPRs on AMD (gfx942 /
     gfx950, AOT). fp32 inputs (dots without matrix units) take 16: 32 spills on sm_90
     and gfx942."""
     if dtype == torch.float32:
         return (16,)
-    return (16, 32, 64) if backend == "cuda" else (16, 32)
+    return (16, 32, 64) if target == "sm_90" else (16, 32)
 
 
-def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfloat16,
+def split_kv_config(target: str, num_heads: int, dtype: torch.dtype = torch.bfloat16,
                     kv_dtype: torch.dtype | None = None) -> SplitKVConfig:
-    """The split-KV kernel's launch for ``num_heads`` (a multiple of 16) on ``backend``, for
+    """The split-KV kernel's launch for ``num_heads`` (a multiple of 16) on ``target``, for
     ``dtype`` queries and a ``kv_dtype`` cache (default ``dtype``).
 
     Head tile: the widest of :func:`split_kv_head_tiles` that divides ``num_heads``, so
@@ -364,11 +365,11 @@ def split_kv_config(backend: str, num_heads: int, dtype: torch.dtype = torch.bfl
     in registers, which costs registers. AMD: the same tiles, 340 / 326 VGPRs at 16 heads
     (gfx950 / gfx942; 16-row tiles still 260 / 311), so 1 wave per SIMD. sm_90: see
     :data:`FP8_CUDA_CONFIGS`."""
-    tiles = split_kv_head_tiles(backend, dtype)
+    tiles = split_kv_head_tiles(target, dtype)
     block_h = max((t for t in tiles if num_heads % t == 0), default=HEAD_TILE)
     if dtype == torch.float32:
         return SplitKVConfig(block_h, 16, 8, 1, 1)
-    if backend == "hip":
+    if target in AMD_TARGETS:
         fp8 = kv_dtype is not None and is_fp8_dtype(kv_dtype)
         return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 and not fp8 else 1)
     if kv_dtype is not None and is_fp8_dtype(kv_dtype):
@@ -432,8 +433,7 @@ def _compute_units(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int,
-                      config: SplitKVConfig | None = None) -> int:
+def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int, config: SplitKVConfig) -> int:
     """KV splits for the split-KV kernel, from a cost model of its launch.
 
     The batch x head tiles x splits programs run in waves of num_sms x
@@ -446,14 +446,13 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int
     splits wins (fewer partials). On an H200 (fifth session) each choice was the fastest
     of the counts measured or within 3% of it (batch 1 at 32K: 256 splits 21.8 us, 128
     21.3 us, 147 or 192 (one or two programs per SM) 25-27 us). ``max_context`` is the
-    block table's capacity, a static bound (CUDA graphs); ``config`` defaults to
-    :func:`split_kv_config`."""
-    cfg = config or split_kv_config(_backend(), num_heads)
-    programs = batch * triton.cdiv(num_heads, cfg.block_h)
-    slots = num_sms * cfg.programs_per_sm
+    block table's capacity, a static bound (CUDA graphs); ``config`` the launch
+    (:func:`split_kv_config`)."""
+    programs = batch * triton.cdiv(num_heads, config.block_h)
+    slots = num_sms * config.programs_per_sm
     best, best_cost = 1, None
-    for splits in range(1, min(MAX_SPLITS, triton.cdiv(max_context, cfg.block_n)) + 1):
-        rows = triton.cdiv(triton.cdiv(max_context, splits), cfg.block_n) * cfg.block_n  # as the kernel cuts
+    for splits in range(1, min(MAX_SPLITS, triton.cdiv(max_context, config.block_n)) + 1):
+        rows = triton.cdiv(triton.cdiv(max_context, splits), config.block_n) * config.block_n  # as the kernel cuts
         cost = triton.cdiv(programs * splits, slots) * (rows + SPLIT_OVERHEAD_TOKENS)
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
@@ -470,10 +469,10 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     ``num_sms`` (default: the device's CU/SM count)."""
     _check_decode_batch(SPLIT_KV.name, q, seq_lens)
     _check_inputs(SPLIT_KV, q, kv_cache, block_table, seq_lens, value_dim)
-    cfg = config or split_kv_config(_backend(), q.shape[1], q.dtype, kv_cache.dtype)
+    cfg = config or split_kv_config(device_target(q.device), q.shape[1], q.dtype, kv_cache.dtype)
     if block_n is not None:
         cfg = dataclasses.replace(cfg, block_n=block_n)
-    if cfg.block_n > MAX_SPLIT_KV_BLOCK_N and q.is_cuda:
+    if cfg.block_n > MAX_SPLIT_KV_BLOCK_N and q.is_cuda and device_target(q.device) == "sm_90":
         raise ValueError(
             f"{SPLIT_KV.name}: KV tiles of {cfg.block_n} rows are not supported (at most {MAX_SPLIT_KV_BLOCK_N}): "
             "64-row tiles gave wrong results and illegal memory accesses on an H200 (issue #6)"
@@ -522,17 +521,17 @@ def mla_decode_split_kv(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
 SPLIT_KV = MLAKernel("mla_decode_split_kv", "decode", HEAD_TILE, _DTYPES, 576, 512, True, mla_decode_split_kv)
 
 
-def split_kv_aot_launches(backend: str, qk_dim: int = 576, value_dim: int = 512,
+def split_kv_aot_launches(target: str, qk_dim: int = 576, value_dim: int = 512,
                           dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> list[KernelLaunch]:
-    """The split-KV kernel as :func:`mla_decode_split_kv` specialises it on ``backend``
+    """The split-KV kernel as :func:`mla_decode_split_kv` specialises it on ``target``
     ("hip" or "cuda") for a ``kv_dtype`` cache (default ``dtype``; an FP8 format: the FP8
     layout), for AOT checks: once per head tile (``mla_decode_split_kv_h16`` ...)."""
     t = TRITON_DTYPES[dtype]
     kv_dtype = kv_dtype or dtype
     kv, fp8 = TRITON_DTYPES[kv_dtype], is_fp8_dtype(kv_dtype)
     launches = []
-    for block_h in split_kv_head_tiles(backend, dtype):
-        cfg = split_kv_config(backend, block_h, dtype, kv_dtype)
+    for block_h in split_kv_head_tiles(target, dtype):
+        cfg = split_kv_config(target, block_h, dtype, kv_dtype)
         c = _split_kv_constexprs(cfg, qk_dim, value_dim, dtype, cfg.tma, fp8, interpreted=False)
         ptrs = {"q_ptr": t, "kv_ptr": kv, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
                 "o_ptr": "fp32", "lse_ptr": "fp32"}  # fp32 partials
