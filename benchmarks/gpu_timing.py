@@ -61,14 +61,16 @@ def replay_time(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
     return statistics.median(times)
 
 
-def eager_time(fn: Callable[[], object], repeats: int = 5) -> float:
+def eager_time(fn: Callable[..., object], repeats: int = 5, setup: Callable[[], object] | None = None) -> float:
     """Milliseconds per eager call of ``fn`` (what prefill runs: no graph), CUDA events, the
-    median of ``repeats`` after one warm-up call."""
+    median of ``repeats`` after one warm-up call. ``setup``: called before each call, outside
+    the timed span, its result passed to ``fn`` (fresh state for an op that updates it)."""
     times = []
     for i in range(repeats + 1):
+        args = () if setup is None else (setup(),)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(*args)
         stop.record()
         stop.synchronize()
         if i:

@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import inspect
 import json
-import statistics
 import sys
 import tempfile
 
 import torch
+from gpu_timing import eager_time
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.ops.kda import kda_gate, kda_prefill_reference
 from k3compile.runtime.kernels import kda_prefill as kp
 from k3compile.runtime.kernels import kda_prefill_scan as scan
+from k3compile.runtime.kernels.targets import compute_units
 
 H, D, DV, LOWER = 12, 128, 128, -5.0
 
@@ -73,17 +75,7 @@ def fla_chunk(x: dict[str, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
 
 def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
     """ms per call, median; each call from a fresh copy of the initial states."""
-    times = []
-    for i in range(repeats + 1):
-        state = x["state"].clone()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(x, state)
-        stop.record()
-        stop.synchronize()
-        if i:
-            times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return eager_time(lambda state: fn(x, state), repeats, setup=x["state"].clone)
 
 
 #: --sweep's settings: (preparation warps and W / U~ columns, state-pass warps, its stages, state columns
@@ -122,9 +114,11 @@ def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
 PHASES = ("    # 2. A and Aq", "    # 3. T = (I + A)^-1", "    # 4. W, U~")
 
 
+@functools.cache
 def stopped_prep_kernels() -> dict[int, object]:
     """Copies of the preparation kernel that return before phase 2, 3 and 4 (keys 1-3), in
-    a module written to a temporary file (Triton compiles a kernel from its source file)."""
+    modules written to temporary files (Triton compiles a kernel from its source file), once
+    per process."""
     src = inspect.getsource(kp)
     src = src.replace("@counted\n@triton.jit\ndef _kda_chunk_prep_kernel", "@triton.jit\ndef _kda_chunk_prep_kernel")
     kernels = {}
@@ -196,7 +190,7 @@ def main() -> None:
                 row[f"{name} ms"] = round(timed(fn, x), 3)
             value_tiles = DV // min(scan.BLOCK_X["sm_90"], DV)
             row["groups"] = scan.group_size(batch, H, value_tiles, tokens * batch // kp.CHUNK + batch,
-                                            scan.compute_units(x["q"].device))
+                                            compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
             for G in args.groups:
                 row[f"k3 groups={G} ms"] = round(timed(lambda x, s: ours(x, s, G), x), 3)

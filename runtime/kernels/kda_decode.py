@@ -34,8 +34,8 @@ from torch import Tensor
 from k3compile.ops import kda_fused as fused_op
 from k3compile.runtime.kernels.counters import ArrivalCounters
 from k3compile.runtime.kernels.kda_decode_kernel import kda_decode_kernel
+from k3compile.runtime.kernels.targets import compute_units
 from k3compile.runtime.kernels.kda_decode_plans import (
-    _compute_units,
     _constexprs,
     _is_power_of_two,
     launch_config,
@@ -184,7 +184,7 @@ def kda_decode_fused(
     if pdl and not supports_pdl(device):
         raise ValueError(f"pdl (programmatic dependent launch) needs a CUDA GPU of compute capability 9.0 or "
                          f"newer, got {device}")
-    config = launch_config(B, H, D, DV, _compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
+    config = launch_config(B, H, D, DV, compute_units(device), block_v=block_v, tiles_per_program=tiles_per_program,
                            num_warps=num_warps, num_stages=num_stages, evict_state=evict_state,
                            max_registers=max_registers, pdl=pdl)
     if device.type == "cpu" and isinstance(kda_decode_kernel, triton.runtime.jit.JITFunction):

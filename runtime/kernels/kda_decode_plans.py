@@ -242,12 +242,6 @@ def aot_signature(
 
 
 @functools.cache
-def _compute_units(device: torch.device) -> int:
-    """SMs / CUs (ROCm reports CUs here too); 1 for the CPU interpreter (one tile per head)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-@functools.cache
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: CUDA (not ROCm) from compute capability 9.0."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9

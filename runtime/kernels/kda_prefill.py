@@ -59,7 +59,7 @@ from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels import counted, interpreted
 from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
-from k3compile.runtime.kernels.targets import device_target
+from k3compile.runtime.kernels.targets import compute_units, device_target
 
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
 CHUNK = 64
@@ -369,7 +369,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
          "num_stages": SCAN_STAGES[target]}
     if group_chunks is None:
-        group_chunks = scan.group_size(N, H, DV // bx, worst, scan.compute_units(dev)) or 0
+        group_chunks = scan.group_size(N, H, DV // bx, worst, compute_units(dev)) or 0
     if group_chunks:
         groups = scan.chunk_groups(table.seq_first, table.seq_chunks, worst, group_chunks)
         seg = groups.segments

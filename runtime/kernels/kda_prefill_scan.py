@@ -200,8 +200,3 @@ def group_size(sequences: int, heads: int, value_tiles: int, worst_chunks: int, 
 
 #: the fewest chunks a group holds
 MIN_GROUP = 4
-
-
-def compute_units(device: torch.device) -> int:
-    """SMs / CUs of a GPU; 1 elsewhere (the interpreter: groups only where asked for)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

@@ -51,7 +51,7 @@ from k3compile.runtime.kernels.mla_common import (
     _kernel_launch,
     _widths,
 )
-from k3compile.runtime.kernels.targets import AMD_TARGETS, device_target
+from k3compile.runtime.kernels.targets import AMD_TARGETS, compute_units, device_target
 
 #: what a KV split costs besides its KV tiles, in cache rows (1152 B each at K3's width),
 #: for choose_num_splits: its fp32 partial (16 heads x 512 x 4 B = 32 KiB ~ 28 rows)
@@ -427,9 +427,8 @@ def _combine_constexprs(value_dim: int, num_splits: int) -> dict[str, object]:
 
 
 def _compute_units(device: torch.device) -> int:
-    if device.type == "cuda":  # ROCm reports CUs here too
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the CPU interpreter: any small number exercises the split path
+    # the CPU interpreter: 8, any small number exercises the split path
+    return compute_units(device) if device.type == "cuda" else 8
 
 
 @functools.lru_cache(maxsize=4096)

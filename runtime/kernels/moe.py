@@ -412,6 +412,14 @@ def _check_experts(z: Tensor, weights: Tensor, ids: Tensor, w1p: Tensor, w1s: Te
     return T, D, I, E, K
 
 
+def pairs_by_expert(ids: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """(order, counts) of pairs with experts ``ids`` [P] (int64): the pairs sorted by expert,
+    each expert's in pair order (a stable sort: deterministic layouts), and each expert's
+    pair count [experts] (int64)."""
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    return torch.sort(ids, stable=True).indices, counts
+
+
 def align_pairs(ids: Tensor, experts: int, block_m: int, n_blocks: int) -> tuple[Tensor, Tensor]:
     """The grouped layout of pairs with experts ``ids`` [P] (module docstring): (sorted
     [n_blocks * block_m] int32, pair of each slot, P for padding; block_expert [n_blocks]
@@ -419,10 +427,9 @@ def align_pairs(ids: Tensor, experts: int, block_m: int, n_blocks: int) -> tuple
     capture it)."""
     P = ids.numel()
     dev = ids.device
-    counts = torch.zeros(experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    order, counts = pairs_by_expert(ids, experts)
     blocks = (counts + block_m - 1) // block_m
     block_ends = torch.cumsum(blocks, 0)
-    order = torch.sort(ids, stable=True).indices  # pairs by expert, each expert's in pair order
     e = ids[order]
     rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[e]
     sorted_pairs = torch.full((n_blocks * block_m,), P, dtype=torch.int32, device=dev)

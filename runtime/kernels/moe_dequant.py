@@ -33,7 +33,9 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
-from k3compile.runtime.kernels.moe import PLANS, _check_experts, combine, device_target, moe_experts_mxfp4
+from k3compile.runtime.kernels.moe import (
+    PLANS, _check_experts, combine, device_target, moe_experts_mxfp4, pairs_by_expert,
+)
 
 #: experts dequantised at a time (bounds the bf16 scratch)
 EXPERT_GROUP = 128
@@ -92,8 +94,7 @@ def moe_experts_dequantized(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: 
         return out
     flat = ids.reshape(-1).long()
     P = flat.numel()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(E, dtype=torch.int32, device=z.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    order, counts = pairs_by_expert(flat, E)
     ends = torch.cumsum(counts, 0).tolist()  # the one host synchronisation
     x = z[order // K]  # pairs' tokens in expert order
     y = torch.empty((P, D), dtype=z.dtype, device=z.device)

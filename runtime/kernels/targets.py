@@ -10,6 +10,8 @@ NVIDIA GPUs and the CPU interpreter take its table), "gfx950" (MI355X), "gfx942"
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: the AMD targets with tables of their own
@@ -22,3 +24,10 @@ def device_target(device: torch.device) -> str:
         arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
         return arch if arch in AMD_TARGETS else "gfx942"
     return "sm_90"
+
+
+@functools.cache
+def compute_units(device: torch.device) -> int:
+    """SMs (NVIDIA) / CUs (ROCm reports them in the same field) of a GPU; 1 for the CPU
+    interpreter (the launch plans then take their smallest choices)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
