@@ -2,18 +2,23 @@
 TP8 rank's real shapes at TP1), device time per kernel from the torch profiler, largest
 first, with the wall time of the same prefill. CUDA GPU only.
 
-    python benchmarks/prefill_profile.py --out DIR [--layers 4] [--prompt-lens 4096,32768] [--top 25] [--host]
+    python benchmarks/prefill_profile.py --out DIR [--layers 4] [--prompt-lens 4096,32768] [--top 25] [--host] [--python]
 
 Each prompt is prefilled once to warm up (Triton compiles), once timed (the wall time
 reported) and once under the profiler (whose CPU activity with ``--host`` slows the host).
 ``--host``: also where the wall time that is not on the device goes: the device's idle
 time between its first and last kernel, the host calls that wait for it (synchronisations,
-copies to the host) and the host operations by their own CPU time.
+copies to the host), the host operations running while the device idles (the top-level
+operations whose time overlaps the device's idle gaps) and the host operations by their
+own CPU time. ``--python``: one more prefill under cProfile, the Python functions by their
+own time (what the host runs between the torch operations).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from pathlib import Path
 
@@ -44,6 +49,35 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def idle_gaps(kernels: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (start, end) intervals in which no kernel runs, between the first and the last."""
+    gaps, reach = [], None
+    for start, end in sorted(kernels):
+        if reach is not None and start > reach:
+            gaps.append((reach, start))
+        reach = end if reach is None else max(reach, end)
+    return gaps
+
+
+def idle_by_host_op(prof, gaps: list[tuple[float, float]]) -> dict[str, float]:
+    """ms of device idle time by the top-level host operation running meanwhile
+    ("(no host operation)" where none runs: Python between operations)."""
+    top = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type.name == "CPU" and e.cpu_parent is None)
+    idle: dict[str, float] = {}
+    for g0, g1 in gaps:
+        covered = 0.0
+        for start, end, name in top:
+            if start >= g1:
+                break
+            overlap = min(end, g1) - max(start, g0)
+            if overlap > 0:
+                idle[name] = idle.get(name, 0.0) + overlap / 1e3
+                covered += overlap
+        idle["(no host operation)"] = idle.get("(no host operation)", 0.0) + max(0.0, g1 - g0 - covered) / 1e3
+    return idle
+
+
 def host_tables(prof, top: int) -> list[Table]:
     """The --host tables of one profiled prefill."""
     kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
@@ -59,12 +93,20 @@ def host_tables(prof, top: int) -> list[Table]:
         summary.add_column(col, justify="left" if col.startswith("host") else "right")
     for name, times in sorted(waits.items(), key=lambda kv: -sum(kv[1])):
         summary.add_row(name[:90], f"{sum(times):.2f}", str(len(times)))
+    copies = [e for e in prof.events() if e.device_type.name == "CPU" and e.name == "cudaMemcpyAsync"]
+    summary.add_row("cudaMemcpyAsync (a copy to the host waits)", f"{sum(e.self_cpu_time_total for e in copies) / 1e3:.2f}",
+                    str(len(copies)))
+    idle = Table(title="device idle time by the host operation running meanwhile")
+    for col in ("operation", "idle ms"):
+        idle.add_column(col, justify="left" if col == "operation" else "right")
+    for name, ms in sorted(idle_by_host_op(prof, idle_gaps(kernels)).items(), key=lambda kv: -kv[1])[:top]:
+        idle.add_row(name[:90], f"{ms:.2f}")
     ops = Table(title="host operations by their own CPU time")
     for col in ("operation", "self ms", "calls"):
         ops.add_column(col, justify="left" if col == "operation" else "right")
     for avg in sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]:
         ops.add_row(avg.key[:90], f"{avg.self_cpu_time_total / 1e3:.2f}", str(avg.count))
-    return [summary, ops]
+    return [summary, idle, ops]
 
 
 def main() -> None:
@@ -74,6 +116,7 @@ def main() -> None:
     parser.add_argument("--prompt-lens", default="4096,32768")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--host", action="store_true", help="also the host's share of the wall time")
+    parser.add_argument("--python", action="store_true", help="also the Python functions by their own time")
     args = parser.parse_args()
     lens = [int(n) for n in args.prompt_lens.split(",")]
     rt = slice_runtime(args.out, args.layers, 1, max(lens) + 64)
@@ -99,6 +142,10 @@ def main() -> None:
         if args.host:
             for extra in host_tables(prof, args.top):
                 Console(width=130).print(extra)
+        if args.python:
+            python = cProfile.Profile()
+            python.runcall(prefill_once, rt, prompt)
+            pstats.Stats(python).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

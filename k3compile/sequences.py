@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from k3compile.batch import Batch, CacheShape
 from k3compile.context_parallel import SCRATCH_SLOT, ContextLayout
@@ -104,12 +105,13 @@ class SequenceTable:
                 raise RequestError(f"request {i}: a list of token ids needed, got {toks!r:.60}")
             if not toks:
                 raise RequestError(f"request {i}: empty prompt")
-            not_ids = [t for t in toks if not is_whole_number(t)]
-            if not_ids:
-                raise RequestError(f"request {i}: token {not_ids[0]!r} is not an integer token id")
-            bad = [t for t in toks if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"request {i}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            if not all(type(t) is int for t in toks):  # plain ints pass quickly (long prompts)
+                not_ids = [t for t in toks if not is_whole_number(t)]
+                if not_ids:
+                    raise RequestError(f"request {i}: token {not_ids[0]!r} is not an integer token id")
+            if min(toks) < 0 or max(toks) >= self.vocab_size:
+                bad = next(t for t in toks if not 0 <= t < self.vocab_size)
+                raise RequestError(f"request {i}: token id {bad} outside the vocabulary [0, {self.vocab_size})")
 
     def check_step(self, seq_ids: list[int], tokens: list[list[int]]) -> None:
         if len(seq_ids) != len(tokens) or not seq_ids:
@@ -161,6 +163,16 @@ class SequenceTable:
         bs = self.shape.block_size
         return seq.blocks[local // bs] * bs + local % bs
 
+    def cache_slots(self, seq: Sequence, start: int, count: int) -> Tensor:
+        """:meth:`cache_slot` of positions ``start`` .. ``start + count - 1`` of ``seq`` (int64)."""
+        positions = torch.arange(start, start + count)
+        layout, bs = self.layout, self.shape.block_size
+        owned = (positions // layout.interleave) % layout.dcp == layout.rank
+        local = (positions // layout.cycle) * layout.interleave + positions % layout.interleave
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        block = blocks[torch.where(owned, local // bs, 0)] if seq.blocks else torch.zeros_like(positions)
+        return torch.where(owned, block * bs + local % bs, SCRATCH_SLOT)
+
     def make_batch(
         self,
         seq_ids: list[int],
@@ -177,17 +189,16 @@ class SequenceTable:
             cu.append(cu[-1] + n)
         width = table_width or max(1, *(len(s.blocks) for s in seqs))
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        slot_mapping = []
-        for i, (seq, n) in enumerate(zip(seqs, counts)):
+        for i, seq in enumerate(seqs):
             table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-            slot_mapping.extend(self.cache_slot(seq, pos) for pos in range(seq.length, seq.length + n))
+        slot_mapping = torch.cat([self.cache_slots(seq, seq.length, n) for seq, n in zip(seqs, counts)])
         logit_indices = list(range(cu[-1])) if all_logits else [c - 1 for c in cu[1:]]
         return Batch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
             seq_lens=torch.tensor([s.length + n for s, n in zip(seqs, counts)], dtype=torch.int32, device=device),
             state_slots=torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device),
             block_table=table.to(device),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            slot_mapping=slot_mapping.to(device),
             logit_indices=torch.tensor(logit_indices, dtype=torch.int64, device=device),
             decode=decode,
         )

@@ -114,6 +114,22 @@ def test_sequence_table_stores_only_owned_positions():
         SequenceTable(1000, CacheShape(4, 9, 2), 1, 0, layout)
 
 
+@pytest.mark.parametrize("dcp,interleave,rank", [(1, 1, 0), (2, 1, 1), (4, 3, 2), (8, 1, 7)])
+def test_step_slot_mapping_is_each_positions_cache_slot(dcp, interleave, rank):
+    """make_batch's slot mapping (by tensors) is cache_slot of each position, after history."""
+    layout = ContextLayout(dcp, interleave, rank)
+    table = SequenceTable(1000, CacheShape(num_slots=3, num_blocks=40, block_size=4), 0, 1, layout)
+    a, b = table.new_sequence(), table.new_sequence()
+    table.reserve([a, b], [5, 1])
+    table.advance([a, b], [5, 1])
+    table.reserve([a, b], [37, 3])
+    batch = table.make_batch([a, b], [37, 3], decode=False)
+    seq_a, seq_b = table.sequences[a], table.sequences[b]
+    expected = [table.cache_slot(seq_a, p) for p in range(5, 42)] + [table.cache_slot(seq_b, p) for p in range(1, 4)]
+    assert batch.slot_mapping.tolist() == expected and batch.slot_mapping.dtype == torch.int64
+    assert len(set(expected) - {0}) == sum(layout.owns(p) for p in range(5, 42)) + sum(layout.owns(p) for p in range(1, 4))
+
+
 def test_localize_step_moves_owned_history_and_maps_new_tokens():
     from k3compile.config import get_preset
 

@@ -86,6 +86,12 @@ def test_bad_requests_leave_other_sequences_untouched(model_dirs):
         eng.prefill([[]])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         eng.decode([sid], [model.config.vocab_size])
+    with pytest.raises(RequestError, match="token id -1 outside"):
+        eng.prefill([[1, 2, -1, 5]])
+    with pytest.raises(RequestError, match="token True is not an integer"):
+        eng.prefill([[1, True]])
+    with pytest.raises(RequestError, match="token 2.0 is not an integer"):
+        eng.prefill([[1, 2.0]])
     with pytest.raises(RequestError, match="beyond capacity"):
         eng.step([sid], [list(range(20))])
     with pytest.raises(RequestError, match="free slots"):
