@@ -3,7 +3,7 @@ Triton kernels of ``runtime/kernels/kda_prefill.py`` against fla-core's ``chunk_
 the op's torch reference. CUDA GPU only.
 
     python benchmarks/kda_prefill.py [--tokens 4096 32768] [--batches 1 8] [--reference-max 8192]
-        [--groups 0 8 16] [--profile] [--sweep] [--phases]
+        [--groups 0 8 16] [--profile] [--sweep] [--prep-sweep] [--phases]
 
 Each case is ``batch`` sequences of ``tokens`` each, packed (cu_seqlens), from random
 initial states, with K3's gate (lower bound -5). Timed eagerly (prefill is not captured in
@@ -15,7 +15,8 @@ launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported
 per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
 launch settings (the preparation's warps and W / U~ columns per block, the state pass's
 warps, stages and state columns per program; the modules' tables patched for the call), ms
-per setting. ``--phases``: the preparation's device time up to the end of each of its
+per setting. ``--prep-sweep``: the preparation's device ms at other warps and register caps
+(``maxnreg``). ``--phases``: the preparation's device time up to the end of each of its
 four phases (norms and G, A and Aq, the inverse, W / U~), from copies of its kernel that
 return there.
 """
@@ -95,6 +96,21 @@ def launch_settings(prep_warps: int, w_block: int, scan_warps: int, stages: int,
         kp.WARPS["sm_90"], kp.W_BLOCK, kp.SCAN_STAGES, scan.BLOCK_X = saved
 
 
+#: --prep-sweep's settings: (preparation warps, its register cap per thread or None)
+PREP_SWEEP = [(4, None), (4, 168), (4, 128), (8, None), (8, 128)]
+
+
+@contextlib.contextmanager
+def prep_settings(warps: int, max_registers: int | None):
+    """The H200's preparation warps and register cap set for the block's calls."""
+    saved = kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"]
+    kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"] = warps, max_registers
+    try:
+        yield
+    finally:
+        kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"] = saved
+
+
 def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
     """Device ms per kernel name of one call (after the timed ones: compiled and warm)."""
     from torch.profiler import ProfilerActivity, profile
@@ -162,6 +178,7 @@ def main() -> None:
     ap.add_argument("--reference-max", type=int, default=8192)
     ap.add_argument("--sweep", action="store_true", help="ours at other warps / stages / state tiles")
     ap.add_argument("--profile", action="store_true", help="device time per kernel of ours and fla's")
+    ap.add_argument("--prep-sweep", action="store_true", help="the preparation at other warps / register caps")
     ap.add_argument("--phases", action="store_true", help="the preparation's time up to each phase")
     ap.add_argument("--groups", type=int, nargs="*", default=[], help="chunk-group sizes to time too (0: none)")
     args = ap.parse_args()
@@ -199,6 +216,13 @@ def main() -> None:
                     with launch_settings(*setting):
                         row["k3 prep w{} /{} scan w{} stages {} x{} ms".format(*setting)] = round(timed(ours, x), 3)
             print(json.dumps(row), flush=True)
+            if args.prep_sweep:
+                for setting in PREP_SWEEP:
+                    with prep_settings(*setting):
+                        ours(x, x["state"].clone())  # compile
+                        prep = kernel_ms(ours, x)["_kda_chunk_prep_kernel"]
+                    print(json.dumps({"prep_sweep": setting, "batch": batch, "tokens": tokens, "prep ms": prep}),
+                          flush=True)
             if args.phases:
                 print(json.dumps({"phases": True, "batch": batch, "tokens": tokens, **phase_ms(x)}), flush=True)
             if args.profile:

@@ -51,6 +51,8 @@ def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
         ("small", t): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, SMALL, t) for t in ("gfx950", "gfx942", "sm_90")
     } | {
         ("big", t): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, BIG, t) for t in ("gfx950", "gfx942")
+    } | {
+        ("capped", "sm_90"): aot.CompileRequest(_matmul_kernel, MATMUL_SIG, SMALL, "sm_90", max_registers=64),
     }
 
 
@@ -83,6 +85,13 @@ def test_nvidia_registers_from_the_cubin(aot_reports):
     assert res.shared_limit_bytes == 227 * 1024 and 0 < res.shared_bytes
     assert res.registers is not None and 0 < res.registers <= 255 and res.spills == 0
     assert res.occupancy % 4 == 0 and res.occupancy > 0 and res.fits  # whole CTAs of 4 warps
+
+
+def test_register_cap_is_passed_to_nvidia_and_refused_for_amd(aot_reports):
+    capped, free = aot_reports["capped", "sm_90"], aot_reports["small", "sm_90"]
+    assert capped.registers <= 64 < free.registers, (capped, free)
+    with pytest.raises(ValueError, match="maxnreg.*NVIDIA option"):
+        aot.compile_many([aot.CompileRequest(_matmul_kernel, MATMUL_SIG, SMALL, "gfx950", max_registers=64)])
 
 
 #: torch dtypes of the pointer element types the launches use

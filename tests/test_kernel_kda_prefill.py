@@ -214,12 +214,22 @@ def test_kernels_compile_for_every_target(aot_reports):
     """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16), compiled as
     the runtime launches them (on AMD with ROCm's buffer loads): every kernel
     (preparation, state pass and group summaries, group scan, outputs) compiles and fits
-    its targets' shared memory / LDS without spills (sm_90: at most 16 bytes a thread,
-    observed none; kda_prefill.WARPS)."""
+    its targets' shared memory / LDS without spills on AMD; on sm_90 at most 16 words a
+    thread, and at most 24 for the preparation under its register cap (20 observed:
+    three programs per SM with those spills were measured faster than two without,
+    kda_prefill.PREP_MAX_REGISTERS)."""
     assert len(aot_reports) == 5 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
+        allowed = 0 if target.startswith("gfx") else 24 if name == "kda_prefill prep" else 16
         assert res.fits, (target, name, res)
-        assert res.spills is not None and res.spills <= (0 if target.startswith("gfx") else 16), (target, name, res)
+        assert res.spills is not None and res.spills <= allowed, (target, name, res)
+
+
+def test_preparation_holds_three_programs_per_h200_sm(aot_reports):
+    """The preparation's register cap on sm_90 is what lets a third program reside."""
+    prep = aot_reports[("sm_90", "kda_prefill prep")]
+    assert prep.registers <= kda_prefill.PREP_MAX_REGISTERS["sm_90"], prep
+    assert prep.occupancy // kda_prefill.WARPS["sm_90"]["prep"] >= 3, prep
 
 
 def test_preparation_holds_two_workgroups_per_gfx950_cu(aot_reports):

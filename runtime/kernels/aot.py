@@ -164,6 +164,8 @@ class CompileRequest:
     #: pointer arguments whose storage exceeds 2 GiB at the launch's shapes (a layer's cache
     #: pool at K3's serving sizes): ROCm's JIT leaves them 64-bit (see the module docstring)
     pointers_over_2gib: tuple[str, ...] = ()
+    #: a cap on registers per thread (Triton's ``maxnreg``; NVIDIA targets only)
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,12 @@ class KernelLaunch:
     divisible_by_16: tuple[str, ...] = ()
     #: pointer arguments over 2 GiB at K3's serving shapes (CompileRequest)
     pointers_over_2gib: tuple[str, ...] = ()
+    #: the launch's register cap (CompileRequest)
+    max_registers: int | None = None
 
     def request(self, target: str) -> CompileRequest:
         return CompileRequest(self.fn, self.signature, self.constexprs, target, self.num_warps, self.num_stages,
-                              self.divisible_by_16, self.pointers_over_2gib)
+                              self.divisible_by_16, self.pointers_over_2gib, self.max_registers)
 
 
 def compile_for_target(
@@ -235,11 +239,19 @@ def compile_many(requests: Sequence[CompileRequest | AsmRequest]) -> list[Kernel
     one per core (constexpr values must be JSON values; kernels must live in importable
     modules)."""
     for r in requests:
-        _target_spec(_compile_request(r).target)
+        _check_request(_compile_request(r))
     if _language_interpreted():
         return [d if isinstance(r, AsmRequest) else KernelResources(**d)
                 for r, d in zip(requests, _compile_in_subprocess(requests), strict=True)]
     return [_compile_one(r) for r in requests]
+
+
+def _check_request(r: CompileRequest) -> None:
+    """A clear error for a request no target could compile, before any compilation."""
+    spec = _target_spec(r.target)
+    if r.max_registers is not None and spec.gpu_target.backend != "cuda":
+        raise ValueError(f"{getattr(r.fn, '__name__', r.fn)}: max_registers (maxnreg) is an NVIDIA option, "
+                         f"{r.target} has none")
 
 
 def _target_spec(target: str) -> TargetSpec:
@@ -285,6 +297,8 @@ def _triton_compile(r: CompileRequest):
         raise ValueError(f"{fn.__name__}: pointers_over_2gib names no argument: {unknown}")
     src = ASTSource(fn=fn, signature=r.signature, constexprs=r.constexprs, attrs=attributes(r))
     options = {"num_warps": r.num_warps, "num_stages": r.num_stages}
+    if r.max_registers is not None:
+        options["maxnreg"] = r.max_registers
     return triton.compile(src, target=spec.gpu_target, options=options)
 
 
@@ -375,7 +389,7 @@ def _compile_in_subprocess(requests: Sequence[CompileRequest | AsmRequest]) -> l
         jobs.append({"module": inner.__module__, "name": inner.__name__, "signature": r.signature,
                      "constexprs": r.constexprs, "target": r.target, "num_warps": r.num_warps,
                      "num_stages": r.num_stages, "divisible_by_16": list(r.divisible_by_16),
-                     "pointers_over_2gib": list(r.pointers_over_2gib),
+                     "pointers_over_2gib": list(r.pointers_over_2gib), "max_registers": r.max_registers,
                      "asm": item.kind if isinstance(item, AsmRequest) else None})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same modules, tests included

@@ -80,6 +80,10 @@ MAX_EXP = tl.constexpr(80.0)
 #: none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
 #: workgroups per gfx950 CU), one stage until measured
 WARPS = {"sm_90": {"prep": 4, "scan": 4}, "gfx950": {"prep": 4, "scan": 4}, "gfx942": {"prep": 4, "scan": 4}}
+#: a cap on the preparation's registers per thread (Triton's ``maxnreg``: NVIDIA targets
+#: only): 168 lets three programs reside per H200 SM instead of two (fastest of
+#: benchmarks/kda_prefill.py --prep-sweep, BENCHMARKS.md; the AOT report shows no spills)
+PREP_MAX_REGISTERS = {"sm_90": 168}
 SCAN_STAGES = {"sm_90": 2, "gfx950": 1, "gfx942": 1}
 #: the kernels' pointers to workspaces in :func:`work_dtype`
 WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr")
@@ -360,6 +364,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
         BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(target, D), BW=w_block(D, DV), DOT_PRECISION=precision,
         num_warps=warps["prep"], num_stages=1,
+        **({"maxnreg": PREP_MAX_REGISTERS[target]} if PREP_MAX_REGISTERS.get(target) else {}),
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)
@@ -411,7 +416,8 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                   **{p: "*fp32" for p in ("gl_ptr", "scratch_ptr", "a_ptr", "t_ptr")},
                   "scale": "fp32", "eps": "fp32"}
     launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
-                             launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"])]
+                             launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
+                             max_registers=PREP_MAX_REGISTERS.get(target))]
     bx = min(scan.BLOCK_X[target], head_dim)
     fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",
