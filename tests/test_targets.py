@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from k3compile.runtime.kernels import aot, kda_prefill, kda_prefill_scan, mla_prefill_expanded, mla_split_kv, moe_plans
-from k3compile.runtime.kernels.targets import AMD_TARGETS, device_target
+from k3compile.runtime.kernels.targets import AMD_TARGETS, NVIDIA_TARGETS, device_target, register_cap
 
 
 def test_the_cpu_interpreter_takes_the_h200_table():
@@ -15,7 +15,7 @@ def test_the_cpu_interpreter_takes_the_h200_table():
 
 
 def test_tables_cover_every_compile_target():
-    assert set(AMD_TARGETS) | {"sm_90"} == set(aot.TARGETS)
+    assert set(AMD_TARGETS) | set(NVIDIA_TARGETS) == set(aot.TARGETS)
     tables = {"kda_prefill.WARPS": kda_prefill.WARPS, "kda_prefill.SCAN_STAGES": kda_prefill.SCAN_STAGES,
               "kda_prefill.HEAD_SLICE": kda_prefill.HEAD_SLICE, "kda_prefill_scan.BLOCK_X": kda_prefill_scan.BLOCK_X,
               "moe_plans.PLANS": moe_plans.PLANS}
@@ -32,3 +32,11 @@ def test_mla_launches_by_target():
         amd = target in AMD_TARGETS
         assert split_kv.tma == (not amd) and expanded.num_stages == (1 if amd else 3), target
         assert (64 in mla_split_kv.split_kv_head_tiles(target)) == (not amd), target
+
+
+def test_register_caps_reach_nvidia_targets_only():
+    """maxnreg is an NVIDIA option: a ROCm device (torch's "cuda" type too) never gets it,
+    and every cap in a launch table names an NVIDIA target."""
+    assert register_cap("sm_90", 168) == {"maxnreg": 168} and register_cap("sm_90", None) == {}
+    assert all(register_cap(t, 168) == {} for t in AMD_TARGETS)
+    assert set(kda_prefill.PREP_MAX_REGISTERS) <= set(NVIDIA_TARGETS)

@@ -34,7 +34,7 @@ from torch import Tensor
 from k3compile.ops import kda_fused as fused_op
 from k3compile.runtime.kernels.counters import ArrivalCounters
 from k3compile.runtime.kernels.kda_decode_kernel import kda_decode_kernel
-from k3compile.runtime.kernels.targets import compute_units
+from k3compile.runtime.kernels.targets import compute_units, device_target, register_cap
 from k3compile.runtime.kernels.kda_decode_plans import (
     _constexprs,
     _is_power_of_two,
@@ -132,7 +132,7 @@ def kda_decode_fused(
     value tiles one program updates in turn; ``num_warps``; ``num_stages``, value tiles in
     flight per program (with several tiles per program); ``evict_state``, the evict-first
     cache hint on the state stream; ``max_registers``, a register cap per thread (CUDA's
-    maxnreg; ignored elsewhere; every cap tried on an H200 was slower, BENCHMARKS.md);
+    maxnreg; not passed on AMD GPUs: ``targets.register_cap``; every cap tried on an H200 was slower, BENCHMARKS.md);
     ``pdl``, launch as a programmatic dependent launch (CUDA sm_90+; ValueError elsewhere):
     the caller promises that the kernel launched just before this one on the stream writes
     neither the states nor the slots (it may write the projections, which are read after
@@ -205,7 +205,7 @@ def kda_decode_fused(
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), beta.stride(0), gate.stride(0),
         **_constexprs(H, D, DV, K, config),
         num_warps=config.num_warps, num_stages=1,  # the kernel has no loop for Triton to pipeline
-        **({"maxnreg": config.max_registers} if config.max_registers and device.type == "cuda" else {}),
+        **register_cap(device_target(device), config.max_registers),
         **({"launch_pdl": True} if config.pdl else {}),
     )
     return out

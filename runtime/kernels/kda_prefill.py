@@ -59,7 +59,7 @@ from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels import counted, interpreted
 from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
-from k3compile.runtime.kernels.targets import compute_units, device_target
+from k3compile.runtime.kernels.targets import compute_units, device_target, register_cap
 
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
 CHUNK = 64
@@ -364,7 +364,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
         BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(target, D), BW=w_block(D, DV), DOT_PRECISION=precision,
         num_warps=warps["prep"], num_stages=1,
-        **({"maxnreg": PREP_MAX_REGISTERS[target]} if PREP_MAX_REGISTERS.get(target) else {}),
+        **register_cap(target, PREP_MAX_REGISTERS.get(target)),
     )
     del scratch, a, t_inv  # the state pass's chunk states reuse their memory
     slots = slots.to(device=dev, dtype=torch.int64)

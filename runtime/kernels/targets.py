@@ -16,6 +16,8 @@ import torch
 
 #: the AMD targets with tables of their own
 AMD_TARGETS = ("gfx950", "gfx942")
+#: the NVIDIA targets: the only ones given NVIDIA-only launch options (``maxnreg``)
+NVIDIA_TARGETS = ("sm_90",)
 
 
 def device_target(device: torch.device) -> str:
@@ -31,3 +33,9 @@ def compute_units(device: torch.device) -> int:
     """SMs (NVIDIA) / CUs (ROCm reports them in the same field) of a GPU; 1 for the CPU
     interpreter (the launch plans then take their smallest choices)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def register_cap(target: str, max_registers: int | None) -> dict[str, int]:
+    """Triton's ``maxnreg`` launch option for a cap on registers per thread, where
+    ``target`` has it (NVIDIA); nothing elsewhere or without a cap."""
+    return {"maxnreg": max_registers} if max_registers and target in NVIDIA_TARGETS else {}
