@@ -195,6 +195,41 @@ def test_inspect_bad_options(compiled, args, message):
     assert_one_line_error(invoke("inspect", out, *args), message)
 
 
+def test_inspect_kernels_reports_the_planned_launches(compiled):
+    """--kernels: both steps' launches on the chosen target, the programs of each as the
+    report plans them for the artifact's model (a tiny one: every launch leaves CUs idle)."""
+    import torch
+
+    from k3compile.runtime.kernels.launch_report import StepShapes, planned_launches
+
+    out, _ = compiled
+    result = invoke("inspect", out, "--kernels", "--batch", "2", "--context", "256", "--target", "mi300x")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "Decode step: 2 sequences at 256 positions on mi300x (gfx942, 304 compute units), one rank of TP1" in text
+    assert "Prefill: 2 prompts of 256 tokens on mi300x" in text
+    shapes = StepShapes.of_model(PRESETS["tiny"], 1, 1, 2, 256, torch.float32)
+    decode_part, prefill_part = text.split("Prefill: ")
+    for planned in planned_launches("gfx942", shapes):
+        part = decode_part if planned.phase == "decode" else prefill_part
+        row = re.search(rf"^│ {re.escape(planned.name)}\s+│.*?│\s+([\d,]+) │", part, re.M)
+        assert row and int(row.group(1).replace(",", "")) == planned.programs, (planned.name, text)
+    assert "kda decode (fused)" in text and "compute units idle" in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "0"], "--batch: at least 1 sequence, got 0"),
+        (["--context", "0"], "--context: at least 1 token, got 0"),
+        (["--target", "cpu"], "--target: unknown GPU target 'cpu'; choose one of h200, mi355x, mi300x"),
+    ],
+)
+def test_inspect_kernels_bad_options(compiled, args, message):
+    out, _ = compiled
+    assert_one_line_error(invoke("inspect", out, "--kernels", *args), message)
+
+
 # ----- run ----------------------------------------------------------------------------
 
 

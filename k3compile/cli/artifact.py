@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3compile.cli.app import USAGE_ERROR, UserError, app, console, err_console, fail, warn
+from k3compile.cli.kernels import REPORT_TARGETS, check_report_choices, print_kernel_report
 from k3compile.cli.options import (
     KV_CACHE_DTYPE_HELP,
     InductorOption,
@@ -183,10 +184,32 @@ def inspect_command(
             show_default=False,
         ),
     ] = None,
+    kernels: Annotated[
+        bool,
+        typer.Option(
+            "--kernels",
+            help="Also report the kernel launches of one rank's decode step and prefill on a GPU target: grid, "
+            "registers, LDS, programs resident per compute unit and how full the device is, with a warning "
+            "where a launch leaves compute units idle (compiles the kernels for the target; no GPU needed). "
+            "Example: --kernels --batch 16 --context 131072 --target mi300x",
+        ),
+    ] = False,
+    batch: Annotated[int, typer.Option(help="With --kernels: sequences in the step. Example: --batch 16")] = 1,
+    context: Annotated[
+        int, typer.Option(help="With --kernels: positions a decoding sequence attends to, and tokens of each "
+                          "prefilled prompt. Example: --context 131072")
+    ] = 32768,
+    target: Annotated[
+        Optional[str],
+        typer.Option(help="With --kernels: the GPU target (default: the artifact's, or mi355x for a CPU "
+                     "artifact). Example: --target mi300x", show_default=False),
+    ] = None,
 ) -> None:
     """Verify an artifact and show how it was compiled and what each pass did.
 
     Checks every file's size and sha256 against the manifest (a modified artifact is refused), then prints the versions, model, parallelism, target, dtype, capture statistics and a table of the passes (one row per pass and phase, with what each bought). A changed or missing source checkpoint is a warning here (and an error for 'k3compile run').
+
+    With --kernels, also the kernel launches of one rank's step on a GPU target (see --kernels).
 
     Example: k3compile inspect ./tiny.k3c --pass remove_noops --phase decode --diff
     """
@@ -209,6 +232,9 @@ def inspect_command(
             raise UserError(f"--layer: {layer} is outside [0, {n_layers}) (the model's layers)")
         selected = [s for s in info.passes if _summary_matches(s, pass_name, phase)]
         layer_snaps = _layer_nodes(out, phases, layer) if layer is not None else None
+        report_target = target or (info.target if info.target in REPORT_TARGETS else "mi355x")
+        if kernels:
+            check_report_choices(report_target, batch, context)
     except (UserError, ArtifactError) as e:
         fail(str(e))
 
@@ -238,6 +264,9 @@ def inspect_command(
                 print_pass_details(s, layer_names)
     if diff and not any(isinstance(s, dict) and s.get("diff") for s in selected):
         _print_diff_howto(info, selected, layer)
+    if kernels:
+        console.print()
+        print_kernel_report(info, report_target, batch, context)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,14 @@ class KernelResources:
         (and, when registers are known, at least one program is resident per CU/SM)."""
         return self.shared_bytes <= self.shared_limit_bytes and self.occupancy != 0
 
+    @property
+    def programs_per_unit(self) -> int | None:
+        """Programs resident per CU / SM: AMD reports waves per SIMD (4 SIMDs a CU, a
+        workgroup's waves spread over them), NVIDIA warps per SM."""
+        if self.occupancy is None:
+            return None
+        return self.occupancy * (4 if TARGETS[self.target].is_amd else 1) // self.num_warps
+
     def __str__(self) -> str:
         return (f"{self.kernel}@{self.target}: warps={self.num_warps} "
                 f"shared={self.shared_bytes}/{self.shared_limit_bytes} B regs={self.registers} "

@@ -456,25 +456,26 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
     dev = z.device
     h = _empty((P, I), z.dtype, dev)
     y = _empty((P, D), torch.float32, dev)
+    n_blocks = pair_blocks(plan, P, E)
     if plan.grouped:
-        n_blocks = grouped_blocks(P, E, plan.block_m)
         sorted_pairs, block_expert = align_pairs(ids.view(-1), E, plan.block_m, n_blocks)
     else:
-        n_blocks, sorted_pairs, block_expert = P, ids, ids  # not read
+        sorted_pairs, block_expert = ids, ids  # not read
     common = {"TOP_K": K, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m, "ROUND_BY_HAND": _INTERPRETED}
     g13, g2 = _fit(plan.w13, I, D), _fit(plan.w2, D, I)
-    tiles = n_blocks * triton.cdiv(I, g13.block_n)
+    grid13, grid2 = expert_gemm_grids(plan, n_blocks, D, I)
+    tiles = grid13[0] * grid13[1]
     if g13.split_k > 1:
         ws = _empty((g13.split_k * tiles * 2 * g13.block_n * plan.block_m,), torch.float32, dev)
         counters = _counters.get(dev, tiles)
     else:
         ws = counters = h  # not read
-    _expert_gemm_kernel[(n_blocks, triton.cdiv(I, g13.block_n), g13.split_k)](
+    _expert_gemm_kernel[grid13](
         z, ids, sorted_pairs, block_expert, w1_packed, w1_scale, w3_packed, w3_scale, h, ws, counters,
         P, I, D, float(situ_beta), float(situ_linear_beta), GLU=True, BLOCK_N=g13.block_n, BLOCK_K=g13.block_k,
         SCALE_WORDS=_scale_words(D, g13.block_k, w1_scale, w3_scale), PREFETCH_X=_prefetch_x(g13, plan.block_m),
         SPLIT_K=g13.split_k, **common, num_warps=g13.num_warps, num_stages=g13.num_stages)
-    _expert_gemm_kernel[(n_blocks, triton.cdiv(D, g2.block_n), 1)](
+    _expert_gemm_kernel[grid2](
         h, ids, sorted_pairs, block_expert, w2_packed, w2_scale, w2_packed, w2_scale, y, y, y,
         P, D, I, 1.0, 1.0, GLU=False, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k,
         SCALE_WORDS=_scale_words(I, g2.block_k, w2_scale),
@@ -515,20 +516,40 @@ def aot_requests(target: str, E: int = 896, top_k: int = 16, D: int = 3584, I: i
     plans = plans or PLANS[target]
     seen = set()
     for label, plan in (("pair", plans.pair), ("grouped", plans.grouped), ("grouped_prefill", plans.prefill)):
-        for glu, g, n, kd in ((True, _fit(plan.w13, I, D), I, D), (False, _fit(plan.w2, D, I), D, I)):
-            key = (glu, plan.grouped, plan.block_m, g)
-            if key in seen:
-                continue
-            seen.add(key)
-            c = {"TOP_K": top_k, "GLU": glu, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m,
-                 "BLOCK_N": g.block_n, "BLOCK_K": g.block_k, "SCALE_WORDS": _scale_words(kd, g.block_k),
-                 "PREFETCH_X": _prefetch_x(g, plan.block_m), "ROUND_BY_HAND": False, "SPLIT_K": g.split_k}
-            table = "*i32" if plan.grouped else "*i64"  # pair-major passes ids there (not read)
-            types = {"x_ptr": f"*{t}", "ids_ptr": "*i64", "sorted_ptr": table, "block_expert_ptr": table,
-                     "wa_ptr": "*u8", "sa_ptr": "*u8", "wb_ptr": "*u8", "sb_ptr": "*u8",
-                     "out_ptr": f"*{t}" if glu else "*fp32", "ws_ptr": "*fp32", "counter_ptr": "*i32",
-                     "beta": "fp32", "linear_beta": "fp32"}
-            div = tuple(a for a, v in (("N", n), ("KD", kd)) if v % 16 == 0)
-            launches.append(KernelLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
-                                      launch_signature(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div))
+        for glu in (True, False):
+            key = (glu, plan.grouped, plan.block_m, plan.w13 if glu else plan.w2)
+            if key not in seen:
+                seen.add(key)
+                launches.append(expert_gemm_launch(plan, glu, label, top_k, D, I, dtype))
     return launches
+
+
+def expert_gemm_launch(plan: MoePlan, glu: bool, label: str, top_k: int = 16, D: int = 3584, I: int = 384,
+                       dtype: torch.dtype = torch.bfloat16) -> KernelLaunch:
+    """The w13 (``glu``) or w2 product as :func:`moe_experts_mxfp4` launches it with
+    ``plan`` at these shapes (``label`` names the plan in the launch's name)."""
+    t = TRITON_DTYPES[dtype]
+    g, n, kd = (_fit(plan.w13, I, D), I, D) if glu else (_fit(plan.w2, D, I), D, I)
+    c = {"TOP_K": top_k, "GLU": glu, "GROUPED": plan.grouped, "BLOCK_M": plan.block_m,
+         "BLOCK_N": g.block_n, "BLOCK_K": g.block_k, "SCALE_WORDS": _scale_words(kd, g.block_k),
+         "PREFETCH_X": _prefetch_x(g, plan.block_m), "ROUND_BY_HAND": False, "SPLIT_K": g.split_k}
+    table = "*i32" if plan.grouped else "*i64"  # pair-major passes ids there (not read)
+    types = {"x_ptr": f"*{t}", "ids_ptr": "*i64", "sorted_ptr": table, "block_expert_ptr": table,
+             "wa_ptr": "*u8", "sa_ptr": "*u8", "wb_ptr": "*u8", "sb_ptr": "*u8",
+             "out_ptr": f"*{t}" if glu else "*fp32", "ws_ptr": "*fp32", "counter_ptr": "*i32",
+             "beta": "fp32", "linear_beta": "fp32"}
+    div = tuple(a for a, v in (("N", n), ("KD", kd)) if v % 16 == 0)
+    return KernelLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
+                        launch_signature(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div)
+
+
+def pair_blocks(plan: MoePlan, pairs: int, E: int) -> int:
+    """The expert products' row blocks: one per pair pair-major, the grouped worst case
+    (:func:`grouped_blocks`) grouped."""
+    return grouped_blocks(pairs, E, plan.block_m) if plan.grouped else pairs
+
+
+def expert_gemm_grids(plan: MoePlan, n_blocks: int, D: int, I: int) -> tuple[tuple[int, int, int], ...]:
+    """The grids of the w13 and the w2 launch of :func:`moe_experts_mxfp4` over ``n_blocks``."""
+    g13, g2 = _fit(plan.w13, I, D), _fit(plan.w2, D, I)
+    return (n_blocks, triton.cdiv(I, g13.block_n), g13.split_k), (n_blocks, triton.cdiv(D, g2.block_n), 1)

@@ -1,0 +1,226 @@
+"""What the runtime would launch for one rank's decode and prefill step on a target, and
+how each launch fills the device: the grid (workgroups / CTAs) against the target's
+compute units and the programs its compiled resources let reside on one.
+
+The plans come from the launchers' own plan functions (``kda_decode_plans.launch_config``,
+``mla_split_kv.choose_num_splits``, ``moe_plans.choose_plan``, the KDA prefill's chunk
+and group counts, ...), the resources from compiling the same specialisations ahead of
+time (``aot``; on AMD with ROCm's buffer loads). No GPU is needed.
+
+    fill = programs / (compute units x programs resident per unit)
+
+below 1: part of one wave's slots stay empty; a launch with fewer programs than compute
+units leaves units idle (a warning). The kernels covered are the attention / recurrent
+layers' and the routed experts' (the ones whose grids depend on batch and context);
+the small per-token kernels (norms, AttnRes mixes, routing, short conv) are not listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from k3compile.config import K3Config
+from k3compile.runtime.kernels import aot, kda_decode_plans, kda_prefill, moe, moe_dequant
+from k3compile.runtime.kernels import mla_attention as attention
+from k3compile.runtime.kernels import kda_prefill_scan as scan
+from k3compile.runtime.kernels import mla_prefill_expanded as expanded
+from k3compile.runtime.kernels import mla_split_kv as split_kv
+from k3compile.runtime.kernels.aot import KernelLaunch, KernelResources
+from k3compile.runtime.kernels.kda_decode_kernel import kda_decode_kernel
+from k3compile.runtime.kernels.targets import NVIDIA_TARGETS
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """One rank's shapes of a step (K3 TP8 by default) and the step's size."""
+
+    batch: int  # sequences
+    context: int  # decode: cached positions a sequence attends to; prefill: prompt tokens a sequence
+    kda_heads: int = 12
+    kda_head_dim: int = 128
+    mla_heads: int = 16  # the heads the decode kernel takes (padded; gathered over a DCP group)
+    mla_prefill_heads: int = 12  # the rank's own heads (prefill takes them unpadded)
+    mla_latent: int = 512  # kv_lora_rank: the cached latent, the absorbed kernels' value width
+    mla_rope: int = 64
+    mla_nope: int = 128
+    mla_value: int = 128
+    experts: int = 896
+    top_k: int = 16
+    expert_hidden: int = 3584  # D of the routed experts (the latent width)
+    expert_intermediate: int = 384  # I a rank holds
+    dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype | None = None  # the MLA cache's (None: dtype)
+    dcp: int = 1  # members of a DCP group: each holds 1 / dcp of the MLA history
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.context < 1:
+            raise ValueError(f"a step needs batch >= 1 and context >= 1, got {self.batch} and {self.context}")
+
+    @classmethod
+    def of_model(cls, config: K3Config, tp: int, dcp: int, batch: int, context: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> StepShapes:
+        """One rank's shapes of ``config`` at TP ``tp`` (heads and expert intermediates
+        split ``tp`` ways) and DCP ``dcp`` (the decode kernel takes the group's gathered
+        heads, padded to its head tile)."""
+        heads = config.num_attention_heads // tp
+        return cls(batch, context, config.linear_attn.num_heads // tp, config.linear_attn.head_dim,
+                   -(-heads * dcp // split_kv.HEAD_TILE) * split_kv.HEAD_TILE, heads, config.kv_lora_rank,
+                   config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim, config.num_experts,
+                   config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size // tp,
+                   dtype, kv_dtype, dcp)
+
+
+@dataclass(frozen=True)
+class PlannedLaunch:
+    """One kernel launch of a step: what compiles and how many programs it runs."""
+
+    phase: str  # "decode" or "prefill"
+    name: str
+    launch: KernelLaunch
+    programs: int
+    plan: str  # the plan's choices, in words
+
+
+@dataclass(frozen=True)
+class LaunchRow:
+    """A planned launch with its compiled resources on the target."""
+
+    planned: PlannedLaunch
+    resources: KernelResources
+    compute_units: int
+
+    @property
+    def resident(self) -> int | None:
+        """Programs resident per compute unit (None: registers unknown)."""
+        return self.resources.programs_per_unit
+
+    @property
+    def fill(self) -> float | None:
+        """Programs over the device's resident slots (1: one full wave)."""
+        return None if not self.resident else self.planned.programs / (self.compute_units * self.resident)
+
+    @property
+    def warnings(self) -> list[str]:
+        out = []
+        if self.planned.programs < self.compute_units:
+            out.append(f"{self.compute_units - self.planned.programs} of {self.compute_units} compute units idle")
+        if self.resources.spills:
+            out.append(f"{self.resources.spills} spilled registers")
+        if not self.resources.fits:
+            out.append("does not fit")
+        return out
+
+
+def _kda_decode(target: str, s: StepShapes, units: int) -> PlannedLaunch:
+    pdl = target in NVIDIA_TARGETS  # the runtime launches it dependent where the target allows
+    H, D = s.kda_heads, s.kda_head_dim
+    config = kda_decode_plans.launch_config(s.batch, H, D, D, units, pdl=pdl)
+    signature, constexprs, warps = kda_decode_plans.aot_signature(
+        s.dtype, H, D, D, config.block_v, tiles_per_program=config.tiles_per_program, num_warps=config.num_warps,
+        num_stages=config.num_stages, evict_state=config.evict_state, pdl=pdl)
+    grid = kda_decode_plans.launch_grid(s.batch, H, D, config.block_v, config.tiles_per_program)
+    plan = (f"value tile {config.block_v} x {config.tiles_per_program}, {warps} warps"
+            + (", evict-first" if config.evict_state else "") + (", PDL" if pdl else ""))
+    launch = KernelLaunch("kda decode (fused)", kda_decode_kernel, signature, constexprs, warps)
+    return PlannedLaunch("decode", launch.name, launch, grid[0] * grid[1] * grid[2], plan)
+
+
+def _mla_decode(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
+    H = s.mla_heads
+    config = split_kv.split_kv_config(target, H, s.dtype, s.kv_dtype)
+    splits = split_kv.choose_num_splits(s.batch, H, triton.cdiv(s.context, s.dcp), units, config)
+    qk, latent = s.mla_latent + s.mla_rope, s.mla_latent
+    kernel = next(launch for launch in split_kv.split_kv_aot_launches(target, qk, latent, s.dtype, s.kv_dtype)
+                  if launch.constexprs["BLOCK_H"] == config.block_h)
+    plan = f"head tile {config.block_h}, KV tile {config.block_n}, {splits} splits" + (", TMA" if config.tma else "")
+    out = [PlannedLaunch("decode", "mla decode split-KV", kernel,
+                         triton.cdiv(H, config.block_h) * splits * s.batch, plan)]
+    if splits > 1:
+        combine = split_kv.combine_aot_launch(latent, s.dtype, splits)
+        tiles = triton.cdiv(latent, combine.constexprs["BLOCK_L"])
+        out.append(PlannedLaunch("decode", "mla split combine", combine, s.batch * H * tiles, f"{splits} splits"))
+    return out
+
+
+def _experts(phase: str, target: str, s: StepShapes, tokens: int) -> list[PlannedLaunch]:
+    pairs = tokens * s.top_k
+    E, D, I = s.experts, s.expert_hidden, s.expert_intermediate
+    dequant_from = moe.PLANS[target].dequant_min_pairs
+    if phase == "prefill" and dequant_from is not None and pairs >= dequant_from and s.dtype == torch.bfloat16:
+        launch = moe_dequant.aot_requests(s.dtype)[0]
+        group = min(moe_dequant.EXPERT_GROUP, E)
+        out = []
+        for what, rows, k in (("w1 / w3", group * I, D), ("w2", group * D, I)):
+            programs = triton.cdiv(rows, moe_dequant.BLOCK_R) * triton.cdiv(k // 2, moe_dequant.BLOCK_B)
+            out.append(PlannedLaunch(phase, f"experts: dequantise {what}", launch, programs,
+                                     f"{group} experts a launch, then grouped bf16 GEMMs"))
+        return out
+    plan = moe.choose_plan(pairs, target)
+    grids = moe.expert_gemm_grids(plan, moe.pair_blocks(plan, pairs, E), D, I)
+    return [PlannedLaunch(phase, f"experts {'w13' if glu else 'w2'}", moe.expert_gemm_launch(plan, glu, str(plan),
+                                                                                           s.top_k, D, I, s.dtype),
+                          grid[0] * grid[1] * grid[2], str(plan))
+            for glu, grid in ((True, grids[0]), (False, grids[1]))]
+
+
+def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
+    H, D = s.kda_heads, s.kda_head_dim
+    launches = {launch.name: launch for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
+    chunks = triton.cdiv(s.context, kda_prefill.CHUNK)
+    worst = triton.cdiv(s.batch * s.context, kda_prefill.CHUNK) + s.batch
+    tiles = D // min(scan.BLOCK_X[target], D)
+    group = scan.group_size(s.batch, H, tiles, worst, units)
+    out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
+                         f"chunks of {kda_prefill.CHUNK}")]
+    if group:
+        segments = s.batch * triton.cdiv(chunks, group)
+        out += [PlannedLaunch("prefill", "kda prefill group summaries", launches["kda_prefill group summaries"],
+                              segments * H * 2 * tiles, f"groups of {group} chunks"),
+                PlannedLaunch("prefill", "kda prefill group scan", launches["kda_prefill group scan"],
+                              s.batch * H * tiles, f"{segments // s.batch} groups a sequence"),
+                PlannedLaunch("prefill", "kda prefill state pass", launches["kda_prefill state pass"],
+                              segments * H * tiles, f"groups of {group} chunks")]
+    else:
+        out.append(PlannedLaunch("prefill", "kda prefill state pass", launches["kda_prefill state pass"],
+                                 s.batch * H * tiles, "one segment a sequence"))
+    out.append(PlannedLaunch("prefill", "kda prefill outputs", launches["kda_prefill outputs"], worst * H * tiles,
+                             f"{tiles} state tiles a chunk"))
+    return out
+
+
+def _mla_prefill(target: str, s: StepShapes) -> PlannedLaunch:
+    if s.dcp > 1:  # the absorbed kernel over the member's share, every head of the group (issue #23)
+        launches = attention.attention_aot_launches(target, s.mla_latent + s.mla_rope, s.mla_latent, s.dtype,
+                                                    s.kv_dtype)
+        launch = next(launch for launch in launches if launch.name.startswith(attention.PREFILL.name + "_context_split"))
+        heads = s.mla_prefill_heads * s.dcp
+        grid = attention.attention_grid(s.batch, s.context, heads, launch.constexprs["BLOCK_M"])
+        return PlannedLaunch("prefill", "mla prefill (absorbed, DCP share)", launch, grid[0] * grid[1],
+                             f"{heads} gathered heads, 1/{s.dcp} of the history")
+    config = expanded.expanded_config(target, s.dtype)
+    programs = triton.cdiv(s.context, config.block_m) * s.mla_prefill_heads * s.batch
+    launch = expanded.aot_launch(target, s.dtype, s.mla_nope, s.mla_rope, s.mla_value)
+    return PlannedLaunch("prefill", "mla prefill (expanded)", launch, programs,
+                         f"{config.block_m} tokens x {config.block_n} positions a step")
+
+
+def planned_launches(target: str, shapes: StepShapes) -> list[PlannedLaunch]:
+    """The covered launches (module docstring) of one decode step of ``shapes.batch``
+    sequences at ``shapes.context`` positions and one prefill of ``shapes.batch`` prompts
+    of ``shapes.context`` tokens, on ``target`` (a key of ``aot.TARGETS``)."""
+    units = aot.TARGETS[target].compute_units
+    return [_kda_decode(target, shapes, units), *_mla_decode(target, shapes, units),
+            *_experts("decode", target, shapes, shapes.batch),
+            *_kda_prefill(target, shapes, units), _mla_prefill(target, shapes),
+            *_experts("prefill", target, shapes, shapes.batch * shapes.context)]
+
+
+def launch_report(target: str, shapes: StepShapes) -> list[LaunchRow]:
+    """:func:`planned_launches` with each one's compiled resources (one AOT batch)."""
+    planned = planned_launches(target, shapes)
+    resources = aot.compile_many([p.launch.request(target) for p in planned])
+    units = aot.TARGETS[target].compute_units
+    return [LaunchRow(p, r, units) for p, r in zip(planned, resources, strict=True)]

@@ -1,0 +1,108 @@
+"""The kernel launch report (runtime/kernels/launch_report.py) at one K3 TP8 rank's shapes:
+the grids it plans are the launchers' (checked against the counts written out here), and
+every launch the runtime picks on gfx950 and gfx942 at batch 1, 16 and 64 and contexts
+1K, 32K and 128K compiles within its target's LDS, without spills, with at least one
+program resident per CU and the split-KV kernel at the occupancy its plan assumes
+(issue #24)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+from k3compile.config import PRESETS  # noqa: E402
+from k3compile.runtime.kernels import aot, mla_split_kv  # noqa: E402
+from k3compile.runtime.kernels.launch_report import LaunchRow, StepShapes, planned_launches  # noqa: E402
+
+AMD = ("gfx950", "gfx942")
+STEPS = [(b, t) for b in (1, 16, 64) for t in (1024, 32768, 131072)]
+
+
+def k3_rank(batch: int, context: int, dcp: int = 1) -> StepShapes:
+    return StepShapes.of_model(PRESETS["k3"], 8, dcp, batch, context, torch.bfloat16)
+
+
+def _key(target: str, launch) -> tuple:
+    return (target, launch.name, tuple(sorted((k, str(v)) for k, v in launch.constexprs.items())),
+            launch.num_warps, launch.num_stages)
+
+
+def aot_requests() -> dict[tuple, aot.CompileRequest]:
+    """Every distinct launch the report plans on the AMD targets for STEPS."""
+    return {_key(t, p.launch): p.launch.request(t) for t in AMD for b, c in STEPS
+            for p in planned_launches(t, k3_rank(b, c))}
+
+
+def rows(aot_reports: dict, target: str, shapes: StepShapes) -> dict[str, LaunchRow]:
+    units = aot.TARGETS[target].compute_units
+    return {p.name: LaunchRow(p, aot_reports[_key(target, p.launch)], units) for p in planned_launches(target, shapes)}
+
+
+def test_k3_shapes_of_a_tp8_rank():
+    s = k3_rank(1, 32768)
+    assert (s.kda_heads, s.kda_head_dim, s.mla_heads, s.mla_prefill_heads) == (12, 128, 16, 12)
+    assert (s.experts, s.top_k, s.expert_hidden, s.expert_intermediate) == (896, 16, 3584, 384)
+    assert k3_rank(1, 32768, dcp=8).mla_heads == 96  # the group's gathered heads
+    with pytest.raises(ValueError, match="batch >= 1"):
+        StepShapes(0, 1024)
+
+
+@pytest.mark.parametrize("target", AMD)
+def test_every_planned_launch_fits_without_spills(aot_reports, target):
+    for batch, context in STEPS:
+        for name, row in rows(aot_reports, target, k3_rank(batch, context)).items():
+            r = row.resources
+            assert r.fits and r.spills == 0 and row.resident >= 1, (target, batch, context, name, r)
+
+
+@pytest.mark.parametrize("target", AMD)
+def test_split_kv_runs_at_the_occupancy_its_plan_assumes(aot_reports, target):
+    """choose_num_splits sizes its waves with SplitKVConfig.programs_per_sm: the compiled
+    kernel must hold that many programs per CU."""
+    for batch, context in STEPS:
+        row = rows(aot_reports, target, k3_rank(batch, context))["mla decode split-KV"]
+        assert row.resident == mla_split_kv.split_kv_config(target, 16).programs_per_sm, (target, batch, context)
+
+
+def test_decode_grids_at_batch_1_on_mi355x(aot_reports):
+    """12 KDA heads x 128 values in tiles of 16: 96 workgroups on 256 CUs, reported idle;
+    the split-KV kernel at its chosen splits, the combine over them."""
+    got = rows(aot_reports, "gfx950", k3_rank(1, 32768))
+    kda = got["kda decode (fused)"]
+    assert kda.planned.programs == 96 and kda.warnings[0] == "160 of 256 compute units idle"
+    config = mla_split_kv.split_kv_config("gfx950", 16)
+    splits = mla_split_kv.choose_num_splits(1, 16, 32768, 256, config)
+    assert got["mla decode split-KV"].planned.programs == splits > 1
+    combine = got["mla split combine"].planned
+    assert combine.programs == 16 * triton.cdiv(512, combine.launch.constexprs["BLOCK_L"])
+
+
+def test_prefill_grids_of_one_32k_prompt_on_mi355x(aot_reports):
+    """513 chunk programs a head (512 chunks and the worst-case partial one), 4 state tiles
+    of 32 columns, groups of 16 chunks (sqrt(513 / 2)), the expanded MLA kernel's 256 row
+    tiles of 128 tokens at 12 heads, the grouped experts over 524,288 pairs."""
+    got = rows(aot_reports, "gfx950", k3_rank(1, 32768))
+    assert got["kda prefill preparation"].planned.programs == 513 * 12
+    assert got["kda prefill outputs"].planned.programs == 513 * 12 * 4
+    assert got["kda prefill group summaries"].planned.programs == 32 * 12 * 8
+    assert got["kda prefill group scan"].planned.programs == 12 * 4
+    assert got["kda prefill state pass"].planned.programs == 32 * 12 * 4
+    assert got["mla prefill (expanded)"].planned.programs == 256 * 12
+    blocks = 524288 // 16 + 896
+    assert got["experts w13"].planned.programs == blocks * 384 // 16
+    assert got["experts w2"].planned.programs == blocks * 3584 // 16
+    assert got["kda prefill preparation"].resident >= 2  # issue #23: two workgroups per CU
+
+
+def test_prefill_under_dcp_reports_the_absorbed_share():
+    planned = {p.name: p for p in planned_launches("gfx950", k3_rank(1, 4096, dcp=8))}
+    mla = planned["mla prefill (absorbed, DCP share)"]
+    assert mla.programs == triton.cdiv(4096 * 96, mla.launch.constexprs["BLOCK_M"])
+    assert "mla prefill (expanded)" not in planned
