@@ -449,8 +449,12 @@ def test_num_splits_fill_the_gpu():
     assert sk.choose_num_splits(1, 16, 0, 132, h16) == 1
     # a large batch fills the GPU alone
     assert sk.choose_num_splits(256, 16, 1024, 132, h16) == 1
-    # MI355X: 256 CUs x 2
-    assert sk.choose_num_splits(1, 16, 32768, 256, sk.split_kv_config("gfx950", 16)) == 256
+    # MI355X: 256 CUs x 2 resident programs: up to one wave of 512 splits (AMD's cap is
+    # the device's resident programs, the H200's the 256 its sweep chose); MI300X: 304 x 2
+    # slots, 128K positions: the fewest splits of 7 KV tiles each (608 would cut the same)
+    assert sk.choose_num_splits(1, 16, 32768, 256, sk.split_kv_config("gfx950", 16)) == 512
+    assert sk.choose_num_splits(1, 16, 131072, 304, sk.split_kv_config("gfx942", 16)) == 586
+    assert sk.choose_num_splits(1, 16, 131072, 132, h16) == 256
     for batch, ctx in ((1, 1024), (4, 8192), (16, 131072), (64, 4096)):
         splits = sk.choose_num_splits(batch, 16, ctx, 132, h16)
         assert 1 <= splits <= min(sk.MAX_SPLITS, -(-ctx // h16.block_n))

@@ -87,7 +87,7 @@ def test_decode_grids_at_batch_1_on_mi355x(aot_reports):
 def test_prefill_grids_of_one_32k_prompt_on_mi355x(aot_reports):
     """513 chunk programs a head (512 chunks and the worst-case partial one), 4 state tiles
     of 32 columns, groups of 16 chunks (sqrt(513 / 2)), the expanded MLA kernel's 256 row
-    tiles of 128 tokens at 12 heads, the grouped experts over 524,288 pairs."""
+    tiles of 128 tokens at 12 heads, the experts' 64-pair blocks over 524,288 pairs."""
     got = rows(aot_reports, "gfx950", k3_rank(1, 32768))
     assert got["kda prefill preparation"].planned.programs == 513 * 12
     assert got["kda prefill outputs"].planned.programs == 513 * 12 * 4
@@ -95,9 +95,9 @@ def test_prefill_grids_of_one_32k_prompt_on_mi355x(aot_reports):
     assert got["kda prefill group scan"].planned.programs == 12 * 4
     assert got["kda prefill state pass"].planned.programs == 32 * 12 * 4
     assert got["mla prefill (expanded)"].planned.programs == 256 * 12
-    blocks = 524288 // 16 + 896
-    assert got["experts w13"].planned.programs == blocks * 384 // 16
-    assert got["experts w2"].planned.programs == blocks * 3584 // 16
+    blocks = 524288 // 64 + 896  # the long-prefill plan's blocks of 64 pairs, each expert's last partial
+    assert got["experts w13"].planned.programs == blocks * 384 // 64
+    assert got["experts w2"].planned.programs == blocks * 3584 // 64
     assert got["kda prefill preparation"].resident >= 2  # issue #23: two workgroups per CU
 
 

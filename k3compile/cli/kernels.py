@@ -58,3 +58,4 @@ def print_kernel_report(info: Any, target: str, batch: int, context: int) -> Non
     console.print("[dim]fill: programs over the device's resident slots (compute units x resident per unit); "
                   "resident from the compiled registers and LDS. Covered: the attention, KDA and routed-expert "
                   "kernels (the small per-token ones are not listed).[/]", soft_wrap=True)
+

@@ -124,8 +124,9 @@ def _kda_decode(target: str, s: StepShapes, units: int) -> PlannedLaunch:
     grid = kda_decode_plans.launch_grid(s.batch, H, D, config.block_v, config.tiles_per_program)
     plan = (f"value tile {config.block_v} x {config.tiles_per_program}, {warps} warps"
             + (", evict-first" if config.evict_state else "") + (", PDL" if pdl else ""))
-    launch = KernelLaunch("kda decode (fused)", kda_decode_kernel, signature, constexprs, warps)
-    return PlannedLaunch("decode", launch.name, launch, grid[0] * grid[1] * grid[2], plan)
+    launch = KernelLaunch(f"kda_decode_fused_v{config.block_v}x{config.tiles_per_program}_w{warps}", kda_decode_kernel,
+                          signature, constexprs, warps)
+    return PlannedLaunch("decode", "kda decode (fused)", launch, grid[0] * grid[1] * grid[2], plan)
 
 
 def _mla_decode(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
@@ -159,9 +160,11 @@ def _experts(phase: str, target: str, s: StepShapes, tokens: int) -> list[Planne
                                      f"{group} experts a launch, then grouped bf16 GEMMs"))
         return out
     plan = moe.choose_plan(pairs, target)
+    plans = moe.PLANS[target]
+    label = "pair" if not plan.grouped else "grouped" if plan == plans.grouped else "grouped_prefill"
     grids = moe.expert_gemm_grids(plan, moe.pair_blocks(plan, pairs, E), D, I)
-    return [PlannedLaunch(phase, f"experts {'w13' if glu else 'w2'}", moe.expert_gemm_launch(plan, glu, str(plan),
-                                                                                           s.top_k, D, I, s.dtype),
+    return [PlannedLaunch(phase, f"experts {'w13' if glu else 'w2'}",
+                          moe.expert_gemm_launch(plan, glu, label, s.top_k, D, I, s.dtype),
                           grid[0] * grid[1] * grid[2], str(plan))
             for glu, grid in ((True, grids[0]), (False, grids[1]))]
 
@@ -218,9 +221,16 @@ def planned_launches(target: str, shapes: StepShapes) -> list[PlannedLaunch]:
             *_experts("prefill", target, shapes, shapes.batch * shapes.context)]
 
 
+def launch_reports(cases: list[tuple[str, StepShapes]]) -> list[list[LaunchRow]]:
+    """:func:`planned_launches` of each (target, shapes) with each launch's compiled
+    resources, all compiled in one AOT batch."""
+    planned = [planned_launches(target, shapes) for target, shapes in cases]
+    resources = iter(aot.compile_many([p.launch.request(target) for (target, _), step in zip(cases, planned)
+                                       for p in step]))
+    return [[LaunchRow(p, next(resources), aot.TARGETS[target].compute_units) for p in step]
+            for (target, _), step in zip(cases, planned, strict=True)]
+
+
 def launch_report(target: str, shapes: StepShapes) -> list[LaunchRow]:
-    """:func:`planned_launches` with each one's compiled resources (one AOT batch)."""
-    planned = planned_launches(target, shapes)
-    resources = aot.compile_many([p.launch.request(target) for p in planned])
-    units = aot.TARGETS[target].compute_units
-    return [LaunchRow(p, r, units) for p, r in zip(planned, resources, strict=True)]
+    """:func:`launch_reports` of one step."""
+    return launch_reports([(target, shapes)])[0]

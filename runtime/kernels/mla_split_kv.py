@@ -59,6 +59,8 @@ from k3compile.runtime.kernels.targets import AMD_TARGETS, compute_units, device
 #: tiles before the pipeline streams. An estimate: benchmarks/mla_decode.py --sweep
 #: times the split counts around the choice.
 SPLIT_OVERHEAD_TOKENS = 64
+#: the most KV splits on sm_90 (the H200 sweep's best at batch 1, BENCHMARKS.md); other
+#: targets: one wave of the device's resident programs (SplitKVConfig.max_splits)
 MAX_SPLITS = 256
 
 
@@ -313,6 +315,9 @@ class SplitKVConfig:
     #: KV tiles by tensor descriptors (TMA on sm_90) where the cache allows, see
     #: :func:`_kv_descriptors`; else, and always when False, pointer gathers
     tma: bool = False
+    #: the most KV splits :func:`choose_num_splits` picks; None: as many as the device
+    #: holds resident programs (units x programs_per_sm), one wave of a batch-1 step
+    max_splits: int | None = MAX_SPLITS
 
 
 #: sm_90 launches with an FP8 cache, by head tile: the fastest of an H200 sweep
@@ -371,7 +376,7 @@ def split_kv_config(target: str, num_heads: int, dtype: torch.dtype = torch.bflo
         return SplitKVConfig(block_h, 16, 8, 1, 1)
     if target in AMD_TARGETS:
         fp8 = kv_dtype is not None and is_fp8_dtype(kv_dtype)
-        return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 and not fp8 else 1)
+        return SplitKVConfig(block_h, 32, 4, 1, 2 if block_h == 16 and not fp8 else 1, max_splits=None)
     if kv_dtype is not None and is_fp8_dtype(kv_dtype):
         return FP8_CUDA_CONFIGS[block_h]
     if block_h == 64:
@@ -444,13 +449,16 @@ def choose_num_splits(batch: int, num_heads: int, max_context: int, num_sms: int
     length they save is worth a program's overhead. The least cost with the fewest
     splits wins (fewer partials). On an H200 (fifth session) each choice was the fastest
     of the counts measured or within 3% of it (batch 1 at 32K: 256 splits 21.8 us, 128
-    21.3 us, 147 or 192 (one or two programs per SM) 25-27 us). ``max_context`` is the
+    21.3 us, 147 or 192 (one or two programs per SM) 25-27 us). At most
+    ``config.max_splits`` (on AMD one wave of resident programs: 512 at batch 1 on an
+    MI355X, where the H200's cap of 256 left half its slots empty). ``max_context`` is the
     block table's capacity, a static bound (CUDA graphs); ``config`` the launch
     (:func:`split_kv_config`)."""
     programs = batch * triton.cdiv(num_heads, config.block_h)
     slots = num_sms * config.programs_per_sm
+    cap = config.max_splits or slots
     best, best_cost = 1, None
-    for splits in range(1, min(MAX_SPLITS, triton.cdiv(max_context, config.block_n)) + 1):
+    for splits in range(1, min(cap, triton.cdiv(max_context, config.block_n)) + 1):
         rows = triton.cdiv(triton.cdiv(max_context, splits), config.block_n) * config.block_n  # as the kernel cuts
         cost = triton.cdiv(programs * splits, slots) * (rows + SPLIT_OVERHEAD_TOKENS)
         if best_cost is None or cost < best_cost:

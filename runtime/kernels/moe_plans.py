@@ -91,12 +91,17 @@ _SM90 = TargetPlans(
 # decodes E2M1 in hardware there, where the H200 decodes it in software), one warp per
 # 16-row tile, two stages (the AMD stream pipeliner's default). From the AOT resources (no
 # spills), not measured on hardware; the vector-unit plan compiles for both (CI).
-_CDNA_GROUPED = MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2))
+# Long prefills: blocks of 64 pairs against 64 weight rows, 4 warps, 2 stages, the largest
+# block that compiles without spills and keeps two workgroups per CU on both targets
+# (gfx950 w13 183 / w2 147 VGPRs, gfx942 203 / 172; the H200's 128-row, 8-warp tiles spill
+# w13 on both and hold one workgroup): each decoded weight serves 64 pairs instead of 16.
+# From 65,536 pairs (4,096 tokens) an expert has ~73 pairs on average, so its blocks are
+# mostly full. From the resources, not measured on hardware (decision 65).
 _CDNA = TargetPlans(
     pair=MoePlan(False, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
-    grouped=_CDNA_GROUPED,
+    grouped=MoePlan(True, 16, GemmPlan(16, 128, 1, 2), GemmPlan(16, 128, 1, 2)),
     grouped_min_pairs=512,
-    prefill=_CDNA_GROUPED,  # larger tiles wait for an AMD GPU to measure them on
+    prefill=MoePlan(True, 64, GemmPlan(64, 128, 4, 2), GemmPlan(64, 128, 4, 2)),
     prefill_min_pairs=65536,
 )
 PLANS: dict[str, TargetPlans] = {"sm_90": _SM90, "gfx950": _CDNA, "gfx942": _CDNA}
