@@ -188,6 +188,10 @@ def test_splitk_dispatch_and_defaults():
         plan = rows.splitk_plan(T, 7168, 896, 3584, rows.choose_splitk_config(T))
         assert plan.grid == (56, 1 + 14, 1) and plan.constexprs["EVEN_K"]
     assert not rows.choose_splitk_config(1).dot and rows.choose_splitk_config(2).dot
+    # AMD: one K tile a split, 56 x 28 programs (~6 a CU on 256 / 304 CUs, as on the H200's 132)
+    for target in ("gfx950", "gfx942"):
+        plan = rows.splitk_plan(1, 7168, 896, 3584, rows.choose_splitk_config(1, target))
+        assert plan.grid == (56, 1 + 28, 1) and plan.splits == 28 and not rows.choose_splitk_config(1, target).dot
     # split_k=8 on 28 K tiles of 128: 4 tiles each, so 7 splits, none of them empty.
     assert rows.splitk_plan(1, 7168, 896, 3584, rows.SplitKConfig(split_k=8)).splits == 7
 

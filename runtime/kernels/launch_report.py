@@ -25,6 +25,7 @@ import triton
 from k3compile.config import K3Config
 from k3compile.runtime.kernels import aot, kda_decode_plans, kda_prefill, moe, moe_dequant
 from k3compile.runtime.kernels import mla_attention as attention
+from k3compile.runtime.kernels import rows
 from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels import mla_prefill_expanded as expanded
 from k3compile.runtime.kernels import mla_split_kv as split_kv
@@ -54,6 +55,8 @@ class StepShapes:
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype | None = None  # the MLA cache's (None: dtype)
     dcp: int = 1  # members of a DCP group: each holds 1 / dcp of the MLA history
+    hidden: int = 7168
+    tp: int = 8  # the deduplicated expert up-projection's rows a rank adds: hidden / tp
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.context < 1:
@@ -70,7 +73,7 @@ class StepShapes:
                    -(-heads * dcp // split_kv.HEAD_TILE) * split_kv.HEAD_TILE, heads, config.kv_lora_rank,
                    config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim, config.num_experts,
                    config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size // tp,
-                   dtype, kv_dtype, dcp)
+                   dtype, kv_dtype, dcp, config.hidden_size, tp)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,20 @@ def _experts(phase: str, target: str, s: StepShapes, tokens: int) -> list[Planne
             for glu, grid in ((True, grids[0]), (False, grids[1]))]
 
 
+def _dedup_rows(target: str, s: StepShapes) -> list[PlannedLaunch]:
+    """The routed experts' up-projection, deduplicated (each rank its hidden / tp rows,
+    added into the replicated partial): the split-K kernel up to SPLITK_MAX_T tokens."""
+    if s.tp == 1 or s.batch > rows.SPLITK_MAX_T:
+        return []
+    N, n, K = s.hidden, s.hidden // s.tp, s.expert_hidden
+    config = rows.choose_splitk_config(s.batch, target)
+    plan = rows.splitk_plan(s.batch, N, n, K, config, s.dtype, interpreted=False)
+    signature, constexprs, warps = rows.splitk_aot_signature(s.dtype, config, s.batch, N, n, K, target)
+    launch = KernelLaunch(f"rows_splitk_{'dot' if config.dot else 'fma'}_s{plan.splits}", rows._rows_gemv_add_kernel,
+                          signature, constexprs, warps, 1, ("K",))
+    return [PlannedLaunch("decode", "expert up-projection rows (split-K)", launch, plan.programs, str(config))]
+
+
 def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     H, D = s.kda_heads, s.kda_head_dim
     launches = {launch.name: launch for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
@@ -216,7 +233,7 @@ def planned_launches(target: str, shapes: StepShapes) -> list[PlannedLaunch]:
     of ``shapes.context`` tokens, on ``target`` (a key of ``aot.TARGETS``)."""
     units = aot.TARGETS[target].compute_units
     return [_kda_decode(target, shapes, units), *_mla_decode(target, shapes, units),
-            *_experts("decode", target, shapes, shapes.batch),
+            *_experts("decode", target, shapes, shapes.batch), *_dedup_rows(target, shapes),
             *_kda_prefill(target, shapes, units), _mla_prefill(target, shapes),
             *_experts("prefill", target, shapes, shapes.batch * shapes.context)]
 

@@ -67,7 +67,7 @@ unless the runtime is asked for these kernels on the CPU, under Triton's interpr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -78,6 +78,7 @@ from triton.runtime.jit import JITFunction
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.counters import ArrivalCounters
+from k3compile.runtime.kernels.targets import AMD_TARGETS, device_target
 
 
 @triton.jit
@@ -291,9 +292,16 @@ SPLITK_CONFIG_T1 = SplitKConfig(block_n=16, split_k=14, num_warps=8, block_k=128
 SPLITK_CONFIG = SplitKConfig(block_n=16, split_k=14, num_warps=2, block_k=128, dot=True)
 
 
-def choose_splitk_config(T: int) -> SplitKConfig:
-    """The default configuration for x with T rows (T <= SPLITK_MAX_T)."""
-    return SPLITK_CONFIG_T1 if T == 1 else SPLITK_CONFIG
+#: K splits on AMD targets: 28 (one 128-column tile each at K = 3584) keeps the H200's ~6
+#: programs per compute unit on 256 / 304 CUs (56 row tiles x 28 = 1,568 programs; 14
+#: splits would leave ~3 per CU). Derived from the CU counts, not measured (decision 65).
+AMD_SPLIT_K = 28
+
+
+def choose_splitk_config(T: int, target: str = "sm_90") -> SplitKConfig:
+    """The default configuration for x with T rows (T <= SPLITK_MAX_T) on ``target``."""
+    config = SPLITK_CONFIG_T1 if T == 1 else SPLITK_CONFIG
+    return replace(config, split_k=AMD_SPLIT_K) if target in AMD_TARGETS else config
 
 
 @dataclass(frozen=True)
@@ -384,7 +392,7 @@ def add_rank_block_linear_splitk(
     out = torch.empty_like(acc2)
     if T == 0:
         return out.view(acc.shape)
-    plan = splitk_plan(T, N, n, K, config or choose_splitk_config(T), x.dtype)
+    plan = splitk_plan(T, N, n, K, config or choose_splitk_config(T, device_target(acc.device)), x.dtype)
     if plan.splits > 1:
         ws = torch.empty((plan.splits, T, n), dtype=torch.float32, device=acc.device)
         counters = _counters.get(acc.device, plan.counters)
@@ -416,12 +424,12 @@ def add_rank_block_linear(acc: Tensor, x: Tensor, weight: Tensor, start: Tensor)
 
 def splitk_aot_signature(
     dtype: torch.dtype = torch.bfloat16, config: SplitKConfig | None = None, T: int = 1,
-    N: int = 7168, n: int = 896, K: int = 3584,
+    N: int = 7168, n: int = 896, K: int = 3584, target: str = "sm_90",
 ) -> tuple[dict[str, str], dict[str, object], int]:
     """(signature, constexprs, num_warps) of the split-K kernel as ``add_rank_block_linear``
-    launches it for bf16 K3 TP8 shapes by default (for ``aot.compile_for_target``)."""
+    launches it on ``target`` for bf16 K3 TP8 shapes by default (for ``aot.compile_for_target``)."""
     t = TRITON_DTYPES[dtype]
-    plan = splitk_plan(T, N, n, K, config or choose_splitk_config(T), dtype, interpreted=False)
+    plan = splitk_plan(T, N, n, K, config or choose_splitk_config(T, target), dtype, interpreted=False)
     pointers = {"start_ptr": "*i64", "ws_ptr": "*fp32", "counter_ptr": "*i32"}
     signature = {
         arg: pointers.get(arg, f"*{t}") if arg.endswith("_ptr") else "i32" if arg in ("T", "N", "n", "K")
