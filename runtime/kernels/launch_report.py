@@ -17,7 +17,7 @@ the small per-token kernels (norms, AttnRes mixes, routing, short conv) are not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -117,6 +117,18 @@ class LaunchRow:
         return out
 
 
+def _sized(launch: KernelLaunch, sizes: dict[str, int]) -> KernelLaunch:
+    """``launch`` with the pointers whose tensors hold 2^31 bytes or more at these sizes
+    (bytes by argument name) declared so: ROCm's JIT compiles those without buffer loads,
+    a variant of its own (decision 62), named here by its 64-bit pointers."""
+    over = tuple(n for n, size in sizes.items()
+                 if size >= 2**31 and n in launch.signature and n not in launch.pointers_over_2gib)
+    if not over:
+        return launch
+    return replace(launch, name=f"{launch.name} [64-bit {', '.join(over)}]",
+                   pointers_over_2gib=launch.pointers_over_2gib + over)
+
+
 def _kda_decode(target: str, s: StepShapes, units: int) -> PlannedLaunch:
     pdl = target in NVIDIA_TARGETS  # the runtime launches it dependent where the target allows
     H, D = s.kda_heads, s.kda_head_dim
@@ -166,8 +178,12 @@ def _experts(phase: str, target: str, s: StepShapes, tokens: int) -> list[Planne
     plans = moe.PLANS[target]
     label = "pair" if not plan.grouped else "grouped" if plan == plans.grouped else "grouped_prefill"
     grids = moe.expert_gemm_grids(plan, moe.pair_blocks(plan, pairs, E), D, I)
+    act = s.dtype.itemsize
+    sizes = {True: {"x_ptr": tokens * D * act, "out_ptr": pairs * I * act, "wa_ptr": E * I * D // 2,
+                    "wb_ptr": E * I * D // 2},  # z in, h out, packed W1 / W3
+             False: {"x_ptr": pairs * I * act, "out_ptr": pairs * D * 4, "wa_ptr": E * D * I // 2}}  # h, fp32 y
     return [PlannedLaunch(phase, f"experts {'w13' if glu else 'w2'}",
-                          moe.expert_gemm_launch(plan, glu, label, s.top_k, D, I, s.dtype),
+                          _sized(moe.expert_gemm_launch(plan, glu, label, s.top_k, D, I, s.dtype), sizes[glu]),
                           grid[0] * grid[1] * grid[2], str(plan))
             for glu, grid in ((True, grids[0]), (False, grids[1]))]
 
@@ -188,9 +204,16 @@ def _dedup_rows(target: str, s: StepShapes) -> list[PlannedLaunch]:
 
 def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     H, D = s.kda_heads, s.kda_head_dim
-    launches = {launch.name: launch for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
     chunks = triton.cdiv(s.context, kda_prefill.CHUNK)
     worst = triton.cdiv(s.batch * s.context, kda_prefill.CHUNK) + s.batch
+    T, BT, act = s.batch * s.context, kda_prefill.CHUNK, s.dtype.itemsize
+    work = kda_prefill.work_dtype(s.dtype).itemsize
+    tile, square = worst * H * BT * D, worst * H * BT * BT
+    sizes = {"q_ptr": T * H * D * act, "k_ptr": T * H * D * act, "v_ptr": T * H * D * act, "o_ptr": T * H * D * act,
+             "g_ptr": T * H * D * 4, **{n: tile * work for n in ("w_ptr", "u_ptr", "qg_ptr", "ke_ptr")},
+             "aq_ptr": square * work, "scratch_ptr": 3 * tile * 4, "a_ptr": square * 4, "t_ptr": square * 4,
+             "chunk_states_ptr": worst * H * D * D * work}
+    launches = {launch.name: _sized(launch, sizes) for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
     tiles = D // min(scan.BLOCK_X[target], D)
     group = scan.group_size(s.batch, H, tiles, worst, units)
     out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
@@ -222,7 +245,10 @@ def _mla_prefill(target: str, s: StepShapes) -> PlannedLaunch:
                              f"{heads} gathered heads, 1/{s.dcp} of the history")
     config = expanded.expanded_config(target, s.dtype)
     programs = triton.cdiv(s.context, config.block_m) * s.mla_prefill_heads * s.batch
-    launch = expanded.aot_launch(target, s.dtype, s.mla_nope, s.mla_rope, s.mla_value)
+    T, H, act = s.batch * s.context, s.mla_prefill_heads, s.dtype.itemsize
+    launch = _sized(expanded.aot_launch(target, s.dtype, s.mla_nope, s.mla_rope, s.mla_value),
+                    {"q_ptr": T * H * (s.mla_nope + s.mla_rope) * act, "o_ptr": T * H * s.mla_value * act,
+                     "kv_ptr": T * H * (s.mla_nope + s.mla_value) * act, "pe_ptr": T * s.mla_rope * act})
     return PlannedLaunch("prefill", "mla prefill (expanded)", launch, programs,
                          f"{config.block_m} tokens x {config.block_n} positions a step")
 
