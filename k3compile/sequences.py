@@ -182,12 +182,18 @@ class SequenceTable:
         device: torch.device | str = "cpu",
         table_width: int | None = None,
     ) -> Batch:
-        """The step metadata for ``counts[i]`` new tokens of each sequence (blocks reserved)."""
+        """The step metadata for ``counts[i]`` new tokens of each sequence (blocks reserved).
+        Under DCP the block table is as wide on every member of the group (the blocks the
+        largest share of the longest context needs; a member's unused entries are block 0),
+        so that a prefill can all-gather the members' blocks."""
         seqs = [self.sequences[s] for s in seq_ids]
         cu = [0]
         for n in counts:
             cu.append(cu[-1] + n)
         width = table_width or max(1, *(len(s.blocks) for s in seqs))
+        if table_width is None and self.layout.dcp > 1:  # the same on every member: the history all-gather
+            bs = self.shape.block_size
+            width = max(width, *(-(-self.layout.max_local_length(s.length + n) // bs) for s, n in zip(seqs, counts)))
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         for i, seq in enumerate(seqs):
             table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)

@@ -65,9 +65,26 @@ slot for the others, and ``block_table`` this rank's blocks (the layout's contra
 the runtime, which fills them). ``seq_lens`` stays global. KDA state stays split by heads.
 
 Prefill: each ``k3.mla_prefill`` (the naive form, reading the whole context back from the
-cache after the step's write) becomes the absorbed form over this rank's positions, so
-that a sequence with history (a continuation, a prefill chunk after the first) can
-continue under DCP::
+cache after the step's write) reads the history the DCP group holds, so that a sequence
+with history (a continuation, a prefill chunk after the first) continues under DCP. By
+default (``prefill="gathered"``) the group's history of the step's sequences is
+all-gathered in position order and the DCP1 op runs on this rank's own heads (it picks
+the expanded or the absorbed form itself, as without DCP)::
+
+    %dcp_local_blocks = k3.dcp_local_blocks(%caches_13, %block_table)   [N, B, bs, bytes] u8 L
+    %all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(%dcp_local_blocks, 2, 'k3_dcp')
+    %wait_tensor                                                    [2N, B, bs, bytes] u8 L
+    %dcp_history_order = k3.dcp_history_order(%wait_tensor, 2, 1, torch.bfloat16)
+    %getitem / %getitem_1         the history as a cache [N*2B, bs, W] and its table   R
+    %mla_prefill = k3.mla_prefill(%q, %getitem, %kv_b_proj_weight, %cu_seqlens, %getitem_1, %seq_lens, s)
+
+It moves each sequence's history (1,152 bytes a position and layer in bf16; 150 MB for
+128K positions) once a layer and step, where the absorbed form below moves the step's
+queries of every head (T x dcp*h x W) and its merge; and the DCP1 op may take the
+expanded form, whose kernel runs at 56-61% of the bf16 matmul rate at 32K-128K tokens
+where the absorbed kernel reaches 8% (an H200, BENCHMARKS.md). The gathered history is
+transient: the cache stays split. With ``prefill="partial"`` the prefill becomes the absorbed form
+over this rank's positions::
 
     %view = aten.view(%kv_b_proj_weight, [h, Dn+Dv, L]); %w_uk / %w_uv: its two slices
     %q_latent = aten.einsum('thd,hdl->thl', [q_nope, %w_uk]); %q_abs = cat([%q_latent, q_pe])
@@ -127,6 +144,10 @@ class SplitMLAContext(GraphPass):
         #: how the members' partial attentions are merged (see the module docstring); the
         #: choices are checked by the registry and offered by ``optimize --dcp-merge``
         merge: Literal["reduce-scatter", "all-to-all"] = "all-to-all"
+        #: prefill attention: "gathered" (the group's history all-gathered, then the DCP1
+        #: prefill on this rank's heads) or "partial" (the absorbed form over this rank's
+        #: positions, merged); see the module docstring
+        prefill: Literal["gathered", "partial"] = "gathered"
 
     @classmethod
     def required_by(cls, plan: ParallelPlan) -> str | None:
@@ -153,7 +174,10 @@ class SplitMLAContext(GraphPass):
             if not offset:
                 offset.append(add_rank_constant(ctx, POSITION_OFFSET, ShardOffset(dcp * interleave, period=dcp)))
             if node.target is k3.mla_prefill.default:
-                result.add_rewrite(self._rewrite_prefill(gm, node, offset[0], dcp, interleave))
+                if self.config.prefill == "gathered":
+                    result.add_rewrite(self._rewrite_prefill_gathered(gm, node, dcp, interleave))
+                else:
+                    result.add_rewrite(self._rewrite_prefill(gm, node, offset[0], dcp, interleave))
                 continue
             seq_lens = node.args[3]
             if seq_lens not in local_lengths:
@@ -216,6 +240,31 @@ class SplitMLAContext(GraphPass):
         mine = _collective(graph, c10d.reduce_scatter_tensor.default, term, "sum", dcp, DCP_GROUP_NAME)
         mine = graph.call_function(aten.permute.default, (mine, [1, 0, 2]))
         return graph.call_function(aten._to_copy.default, (mine,), {"dtype": dtype})
+
+    def _rewrite_prefill_gathered(self, gm: GraphModule, node: Node, dcp: int, interleave: int) -> Rewrite:
+        """The prefill over the whole history, all-gathered from the group in position
+        order (``k3.dcp_local_blocks``, the all-gather, ``k3.dcp_history_order``): the
+        DCP1 op on this rank's heads, which picks its form (expanded or absorbed) itself."""
+        graph = gm.graph
+        q, kv_cache, kv_b_weight, cu_seqlens, block_table, seq_lens, scale = node.args
+        existing = set(graph.nodes)
+        with graph.inserting_before(node):
+            blocks = graph.call_function(k3.dcp_local_blocks.default, (kv_cache, block_table))
+            gathered = _collective(graph, c10d.all_gather_into_tensor.default, blocks, dcp, DCP_GROUP_NAME)
+            ordered = graph.call_function(k3.dcp_history_order.default,
+                                          (gathered, dcp, interleave, kv_cache.meta["val"].dtype))
+            cache = graph.call_function(operator.getitem, (ordered, 0))
+            table = graph.call_function(operator.getitem, (ordered, 1))
+            out = graph.call_function(k3.mla_prefill.default, (q, cache, kv_b_weight, cu_seqlens, table, seq_lens,
+                                                               scale))
+        for new in graph.nodes:
+            if new not in existing:
+                new.meta["nn_module_stack"] = _stack(node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        detail = (f"{_module(node)}: prefill over the history all-gathered from the {dcp} DCP members in position "
+                  f"order, this rank's heads (the DCP1 op)")
+        return Rewrite(node.name, detail, {"collectives_added": 1})
 
     def _rewrite_prefill(self, gm: GraphModule, node: Node, offset: Node, dcp: int, interleave: int) -> Rewrite:
         """The naive-form prefill becomes the absorbed form over this rank's positions:

@@ -130,6 +130,37 @@ def test_step_slot_mapping_is_each_positions_cache_slot(dcp, interleave, rank):
     assert len(set(expected) - {0}) == sum(layout.owns(p) for p in range(5, 42)) + sum(layout.owns(p) for p in range(1, 4))
 
 
+@pytest.mark.parametrize("dcp,interleave", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_history_order_puts_every_members_positions_in_order(dcp, interleave):
+    """k3.dcp_local_blocks on each member's cache (laid out by its SequenceTable), stacked
+    member-major as the all-gather does, then k3.dcp_history_order: every sequence's
+    positions in order, each row the one its owner wrote for that position."""
+    lengths, bs, W = [9, 7, 1, 3], 4, 3  # the longest, 9, at DCP2: 5 and 4 positions, 2 and 1 blocks
+    caches, tables = [], []
+    for rank in range(dcp):
+        table = SequenceTable(1000, CacheShape(num_slots=5, num_blocks=16, block_size=bs), 0, 1,
+                              ContextLayout(dcp, interleave, rank))
+        ids = [table.new_sequence() for _ in lengths]
+        table.reserve(ids, lengths)
+        cache = torch.full((16, bs, W), -1.0)
+        for n, (seq, length) in enumerate(zip(ids, lengths)):
+            for pos in range(length):
+                if table.layout.owns(pos):
+                    cache.view(-1, W)[table.cache_slot(table.sequences[seq], pos)] = torch.tensor([n, pos, rank])
+        caches.append(cache)
+        tables.append(table.make_batch(ids, lengths, decode=False).block_table)
+    width = tables[0].shape[1]
+    assert all(t.shape[1] == width for t in tables)  # one width on every member: the all-gather's
+    gathered = torch.cat([k3.dcp_local_blocks(c, t) for c, t in zip(caches, tables)])
+    assert gathered.dtype == torch.uint8  # bytes on the wire
+    cache, table = k3.dcp_history_order(gathered, dcp, interleave, torch.float32)
+    assert table.dtype == torch.int32 and table.shape == (len(lengths), dcp * width)
+    for n, length in enumerate(lengths):
+        rows = cache[table[n].long()].reshape(-1, W)[:length]
+        owners = [(pos // interleave) % dcp for pos in range(length)]
+        assert rows.tolist() == [[n, pos, owner] for pos, owner in zip(range(length), owners)]
+
+
 def test_localize_step_moves_owned_history_and_maps_new_tokens():
     from k3compile.config import get_preset
 
@@ -160,12 +191,12 @@ def test_localize_step_moves_owned_history_and_maps_new_tokens():
 
 
 def _compile(compile_once, tp: int, dcp: int, interleave: int = 1, validate: bool = False,
-              merge: str = "all-to-all"):
+              merge: str = "all-to-all", prefill: str = "gathered"):
     """tiny's float32 artifact, compiled once per session; when validating, only the DCP
     pass runs (the others are validated by their own tests)."""
     others = ("remove_noops", "mxfp4_experts", "dedup_replicated_linear", "sink_copies") if validate else ()
     return compile_once("tiny", tp=tp, dcp=dcp, dcp_interleave=interleave, dtype="float32", validate=validate,
-                        disable=others, pass_configs={"split_mla_context": {"merge": merge}})
+                        disable=others, pass_configs={"split_mla_context": {"merge": merge, "prefill": prefill}})
 
 
 def _rank_run(rank: int, world: int, out):
@@ -205,8 +236,9 @@ def dcp1_runs(compile_once, rank_pools) -> list:
 
 @pytest.mark.slow
 def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools, dcp1_runs):
-    """merge="reduce-scatter": validated on gloo ranks, placements, runs like DCP1."""
-    result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="reduce-scatter")
+    """merge="reduce-scatter" and prefill="partial" (the absorbed form over each member's
+    positions, merged like decode): validated on gloo ranks, placements, runs like DCP1."""
+    result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="reduce-scatter", prefill="partial")
     cfg = result.captured.config
     n_mla = sum(kind == "mla" for kind in cfg.layer_kinds)
     records = {r.phase: r for r in result.pipeline.records if r.pass_name == "split_mla_context"}
@@ -235,14 +267,30 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_
 
 @pytest.mark.slow
 def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_pools, dcp1_runs):
-    """merge="all-to-all" (the default): one collective less per MLA layer; TP2/DCP2
-    validated on gloo ranks and run like DCP1 (TP4/DCP4 with it: the next test)."""
+    """merge="all-to-all" and prefill="gathered" (the defaults): one collective less per
+    MLA layer in decode, one in all for prefill (the history's all-gather, then the DCP1
+    prefill on this rank's heads); TP2/DCP2 validated on gloo ranks and run like DCP1
+    (TP4/DCP4 with them: the next test)."""
     result = _compile(compile_once, tp=2, dcp=2, validate=True, merge="all-to-all")
     n_mla = sum(kind == "mla" for kind in result.captured.config.layer_kinds)
-    decode = next(r for r in result.pipeline.records if r.pass_name == "split_mla_context" and r.phase == "decode")
+    records = {r.phase: r for r in result.pipeline.records if r.pass_name == "split_mla_context"}
+    decode, prefill = records["decode"], records["prefill"]
     assert decode.result.stats["collectives_added"] == 2 * n_mla
     assert all("LSE merge by all-to-all" in r.detail for r in decode.result.rewrites)
     assert decode.report.ok and decode.report.max_error < 1e-5
+    assert prefill.result.stats["collectives_added"] == n_mla and prefill.report.ok
+    assert prefill.report.max_error < 1e-6  # the DCP1 op over the same history: the same arithmetic
+
+    program = result.captured.programs["prefill"]
+    gm = program.graph_module
+    propagate_placements(gm, program, result.captured.specs, ParallelPlan(2, 0, dcp=2))
+    ordered = [n for n in gm.graph.nodes if n.target is k3.dcp_history_order.default]
+    attention = [n for n in gm.graph.nodes if n.target is k3.mla_prefill.default]
+    assert len(ordered) == len(attention) == n_mla
+    assert all(n.args[0].meta["placement"] == RankLocal() and n.meta["placement"] == (Replicate(), Replicate())
+               for n in ordered)  # the group's gathered blocks in, the whole history out
+    assert all(n.meta["placement"] == Shard(1) for n in attention)  # this rank's own heads, as without DCP
+    assert not any(n.target is k3.mla_prefill_partial.default for n in gm.graph.nodes)
 
     program = result.captured.programs["decode"]
     gm = program.graph_module
@@ -264,8 +312,8 @@ def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(compile_once, rank_pools):
     base = ranks.run(_rank_run, _compile(compile_once, tp=4, dcp=1).out_dir)
     dcp2 = _compile(compile_once, tp=4, dcp=2, interleave=2).out_dir
     _check_like_dcp1(base, ranks.run(_rank_run, dcp2), dcp=2)
-    for merge in ("reduce-scatter", "all-to-all"):
-        dcp4 = _compile(compile_once, tp=4, dcp=4, merge=merge).out_dir
+    for merge, prefill in (("reduce-scatter", "partial"), ("all-to-all", "gathered")):
+        dcp4 = _compile(compile_once, tp=4, dcp=4, merge=merge, prefill=prefill).out_dir
         _check_like_dcp1(base, ranks.run(_rank_run, dcp4), dcp=4)
 
 

@@ -63,6 +63,9 @@ KERNELS_OF_OP = {
     "k3.dcp_pack.default": ("_dcp_pack_kernel",),
     "k3.dcp_merge.default": ("_dcp_merge_kernel",),
     "k3.mla_prefill_partial.default": ("_mla_attention_kernel",),
+    # under DCP the prefill runs the DCP1 op over the all-gathered history; for tiny-h24's
+    # two-token prompt its expanded form takes fewer FLOPs (mla_prefill_expanded.prefill_form)
+    "k3.mla_prefill.default": ("_mla_expanded_kernel",),
     "k3.short_conv_prefill.default": ("_short_conv_kernel", "_conv_state_kernel"),
 }
 #: ... and with an FP8 cache
@@ -70,14 +73,15 @@ FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",
 #: kernels of both phases: the AttnRes mixes (fused with their norms), the MoE input and tail, the MLA input
 BOTH_PHASES = {"_attn_res_mix_kernel", "_rms_norm_kernel", "_route_kernel", "_expert_gemm_kernel", "_combine_kernel",
                "_rows_gemv_add_kernel", "_situ_and_mul_kernel", "_mla_input_proj_kernel", "_moe_input_kernel"}
-#: the DCP merge: both phases under DCP (prefill attends over each rank's positions too)
-DCP_MERGE = {"_dcp_pack_kernel", "_dcp_merge_kernel"}
-DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel"}
-#: prefill under DCP attends over each rank's positions (the prefill attention kernel), the KDA
+#: decode under DCP: attention over each rank's positions, merged (the prefill gathers the
+#: history instead: passes/split_mla_context.py)
+DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_splits_kernel", "_dcp_pack_kernel",
+               "_dcp_merge_kernel"}
+#: prefill under DCP attends over the gathered history (the expanded form's kernel), the KDA
 #: short convs run their prefill kernels; k3.kda_prefill
 #: has kernels (runtime/kernels/kda_prefill.py) for head dims >= 16: tiny-h24's are 8, so its
 #: reference runs here (tests/test_kernel_kda_prefill.py covers the kernels)
-PREFILL_ONLY = {"_mla_attention_kernel", "_short_conv_kernel", "_conv_state_kernel"}
+PREFILL_ONLY = {"_mla_expanded_kernel", "_short_conv_kernel", "_conv_state_kernel"}
 
 
 def _k3_ops(module: GraphModule) -> dict[str, int]:
@@ -152,9 +156,9 @@ def test_h200_artifact_runs_its_triton_kernels_on_cpu_ranks_like_the_references(
         prefill, decode = tri["launches"]
         writes = {"_mla_cache_write_fp8_kernel"} if fp8 else set()
         assert prefill == _expected_launches(rank["ops"]["prefill"], fp8)
-        assert set(prefill) == BOTH_PHASES | DCP_MERGE | PREFILL_ONLY | writes
+        assert set(prefill) == BOTH_PHASES | PREFILL_ONLY | writes
         assert decode == _expected_launches(rank["ops"]["decode"], fp8)
-        assert set(decode) == BOTH_PHASES | DCP_MERGE | DECODE_ONLY | writes
+        assert set(decode) == BOTH_PHASES | DECODE_ONLY | writes
         assert decode["kda_decode_kernel"] == 3 and decode["_mla_decode_split_kv_kernel"] == 2  # KDA, MLA layers
 
 

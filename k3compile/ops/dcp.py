@@ -18,6 +18,14 @@
 ``k3::dcp_merge``          the all-to-all merge's end: from every member's partial output
                            and LSE of this member's heads (the all-to-all's output, same
                            layout), the merged output ``[B, h, D]`` in the model dtype.
+``k3::dcp_local_blocks``   this member's cache blocks of a step's sequences as bytes
+                           ``[N, B, bs, W * itemsize]`` uint8 (its block table's rows): what the
+                           prefill's history all-gather sends (as bytes, so that an FP8 cache
+                           travels on backends without FP8 types, gloo among them).
+``k3::dcp_history_order``  the group's all-gathered blocks (member-major) -> every sequence's
+                           whole history in position order as a cache ``[N*dcp*B, bs, W]`` in
+                           the cache's dtype and its block table ``[N, dcp*B]``: what a DCP1
+                           prefill reads (passes/split_mla_context.py, ``prefill="gathered"``).
 
 The collectives between them are plain functional collectives in the graph over the
 group ``k3compile.context_parallel.DCP_GROUP_NAME``: all-gather of queries, then either
@@ -92,6 +100,49 @@ def dcp_merge(received: Tensor, dtype: torch.dtype) -> Tensor:
 def _(received, dtype):
     _, B, h, D1 = received.shape
     return received.new_empty(B, h, D1 - 1, dtype=dtype)
+
+
+@torch.library.custom_op("k3::dcp_local_blocks", mutates_args=())
+def dcp_local_blocks(kv_cache: Tensor, block_table: Tensor) -> Tensor:
+    """kv_cache [num_blocks, bs, W] and block_table [N, B] -> [N, B, bs, W * itemsize]
+    uint8: the bytes of the blocks of each sequence's table row, in order."""
+    return kv_cache[block_table.long()].view(torch.uint8)
+
+
+@dcp_local_blocks.register_fake
+def _(kv_cache, block_table):
+    N, B = block_table.shape
+    _, bs, W = kv_cache.shape
+    return kv_cache.new_empty(N, B, bs, W * kv_cache.dtype.itemsize, dtype=torch.uint8)
+
+
+@torch.library.custom_op("k3::dcp_history_order", mutates_args=())
+def dcp_history_order(gathered: Tensor, dcp: int, interleave: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """gathered [dcp*N, B, bs, W * itemsize] uint8: member k's :func:`dcp_local_blocks` at
+    rows k*N.. -> (cache [N*dcp*B, bs, W] ``dtype``, block_table [N, dcp*B] int32):
+    sequence n's position p at
+    row p of its blocks n*dcp*B... Position p lives with member (p // interleave) % dcp at
+    its local position (p // (dcp*interleave)) * interleave + p % interleave
+    (k3compile/context_parallel.py); positions past a sequence's length hold whatever its
+    members' blocks hold there (attention masks them by seq_lens)."""
+    rows, B, bs, W = gathered.shape
+    N = rows // dcp
+    local = gathered.view(dcp, N, B * bs, W)
+    p = torch.arange(dcp * B * bs, device=gathered.device)
+    member = (p // interleave) % dcp
+    at = (p // (dcp * interleave)) * interleave + p % interleave
+    history = local[member, :, at]  # [P, N, W]: the advanced indices' dim first
+    cache = history.permute(1, 0, 2).reshape(N * dcp * B, bs, W).view(dtype)
+    table = torch.arange(N * dcp * B, dtype=torch.int32, device=gathered.device).view(N, dcp * B)
+    return cache, table
+
+
+@dcp_history_order.register_fake
+def _(gathered, dcp, interleave, dtype):
+    rows, B, bs, W = gathered.shape
+    N = rows // dcp
+    return (gathered.new_empty(N * dcp * B, bs, W // dtype.itemsize, dtype=dtype),
+            gathered.new_empty(N, dcp * B, dtype=torch.int32))
 
 
 # Placement rule and cost: k3compile/placement/k3_rules.py.

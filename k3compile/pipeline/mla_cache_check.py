@@ -8,12 +8,16 @@ only the k3 cache ops know that layout. So in a program whose MLA caches are FP8
   dequantise in their kernels (``READERS``);
 - no other node takes a cache, and no node makes an FP8 value: nothing quantises or
   dequantises the history in the graph, where it would cost a pass over the whole cache.
+  Byte copies of cache rows are the exception (``COPIES``: the DCP prefill's history
+  all-gather, passes/split_mla_context.py): they keep the codes and scales as they are.
 
 Caches handed to a ``torch.cond`` branch are followed into it. :func:`check_mla_cache_use`
 runs after capture and after every pass (``lint_graph``).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
@@ -26,7 +30,9 @@ k3 = torch.ops.k3
 COND = torch.ops.higher_order.cond
 WRITER = k3.mla_cache_write.default
 READERS = frozenset({k3.mla_decode.default, k3.mla_decode_split_kv.default, k3.mla_prefill.default,
-                     k3.mla_prefill_partial.default})
+                     k3.mla_prefill_partial.default, k3.dcp_local_blocks.default})
+#: ops that copy FP8 cache rows as bytes (no quantisation): they may make FP8 values
+COPIES = frozenset({k3.dcp_history_order.default, operator.getitem})
 
 
 def _is_fp8(node: Node) -> bool:
@@ -52,7 +58,7 @@ def check_mla_cache_use(gm: GraphModule) -> None:
     """Raise PassError if an FP8 MLA cache of ``gm`` is used other than as described above."""
     caches = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_fp8(n)]
     for node in gm.graph.nodes:
-        if node.op != "placeholder" and _is_fp8(node):
+        if node.op != "placeholder" and node.target not in COPIES and _is_fp8(node):
             raise PassError(f"{node.name} ({node.target}) makes an FP8 value outside the cache ops: "
                             "the FP8 MLA cache is quantised only by k3::mla_cache_write")
     for cache in caches:

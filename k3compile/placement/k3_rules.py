@@ -17,7 +17,8 @@ from torch.fx import Node
 from k3compile.mla_cache_fp8 import SCALE_BYTES
 from k3compile.ops.activations import situ_and_mul, situ_and_mul_proj
 from k3compile.ops.attn_res import attn_res_mix, attn_res_mix_norm
-from k3compile.ops.dcp import dcp_local_lengths, dcp_merge, dcp_pack, dcp_rescale
+from k3compile.ops.dcp import (dcp_history_order, dcp_local_blocks, dcp_local_lengths, dcp_merge, dcp_pack,
+                              dcp_rescale)
 from k3compile.ops.kda import gated_rms_norm, kda_decode, kda_gate, kda_prefill, short_conv_decode, short_conv_prefill
 from k3compile.ops.kda_fused import MUTATED as KDA_FUSED_CACHES
 from k3compile.ops.kda_fused import PROJECTION_WEIGHTS, kda_decode_fused, kda_decode_fused_proj
@@ -44,6 +45,7 @@ from k3compile.placement.rules import (
     CostCall,
     OpRule,
     elementwise,
+    group_complete,
     rank_local,
     register_op_rules,
     replicated,
@@ -309,8 +311,17 @@ def _merge_cost(call: CostCall) -> Cost:
     return Cost(dcp * B * h * (2 * D1 + 2))
 
 
+def _history_order_cost(call: CostCall) -> Cost:
+    return Cost(0, 2 * call.numel("gathered") * call.itemsize("gathered"))  # a reordering copy
+
+
 register_op_rules({
     dcp_local_lengths: rank_local(),
+    # The step's sequences' blocks of this member's cache (a copy), sent by the history
+    # all-gather; reordered, the gathered blocks are the whole history on every rank.
+    dcp_local_blocks: rank_local(caches=("kv_cache",), context_split=("kv_cache", "block_table"),
+                                 cost=lambda call: Cost(0, call.io_bytes())),
+    dcp_history_order: group_complete(cost=_history_order_cost),
     # RankLocal partials in (the generic rule); heads split per member either way.
     dcp_pack: split({"o": 1, "lse": 1}, out=2, what="heads", cost=_pack_cost),
     # Its input, the DCP all-to-all's output, holds this rank's own heads (dim 2): the TP

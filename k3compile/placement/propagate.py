@@ -143,9 +143,13 @@ def _call(node: Node) -> PlacementValue:
         return _cond(node)
     if isinstance(target, torch._ops.OpOverload):
         bound = _bind(node)
-        if target.namespace != "_c10d_functional" and _has_rank_local(node, bound):
-            return _outputs(node, RankLocal())  # collectives have their own RankLocal rules
-        if target.namespace not in ("aten", "_c10d_functional", "prims"):
+        custom = target.namespace not in ("aten", "_c10d_functional", "prims")
+        # RankLocal in, RankLocal out; but collectives, and ops that read a whole DCP group's
+        # gathered parts (group_complete), have rules of their own for it
+        if (target.namespace != "_c10d_functional" and _has_rank_local(node, bound)
+                and not (custom and getattr(op_rule(target), "kind", None) == "group_complete")):
+            return _outputs(node, RankLocal())
+        if custom:
             rule = op_rule(target)
             if rule is None:
                 _fail(node, f"custom op {target.name()} declares no placement rule (register_op_rules; "

@@ -15,6 +15,7 @@ A custom op's rule says how it places its outputs from its inputs' placements
                         placement such as ``Partial()``, or a tuple per output).
 ``replicated()``        every tensor arg must be R (``mla_cache_write``).
 ``rank_local()``        R (or RankLocal) inputs give RankLocal (``dcp_local_lengths``).
+``group_complete()``    a DCP group's all-gathered RankLocal parts give R (``dcp_history_order``).
 ``shard_into_partial(acc, block, dim)``  ``acc`` P plus ``block`` S(dim) written at the
                         rank's block (zeros elsewhere) -> P (``add_rank_block``).
 
@@ -254,7 +255,8 @@ def replicated(
                   cost=cost, description="replicated only", context_split=tuple(context_split))
 
 
-def rank_local(*, cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
+def rank_local(*, cost: Callable[[CostCall], Cost] | None = None, caches: Sequence[str] = (),
+               context_split: Sequence[str] = ()) -> OpRule:
     """Outputs ``RankLocal`` from Replicate (or RankLocal) inputs: a value that depends on
     the rank (e.g. its share of each context length under context parallelism)."""
 
@@ -263,7 +265,21 @@ def rank_local(*, cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
             _fail(node, "expects Replicate or RankLocal inputs", pls)
         return _outputs(node, RankLocal())
 
-    return OpRule("rank_local", propagate, cost=cost, description="per-rank value")
+    return OpRule("rank_local", propagate, caches=tuple(caches), cache_placements={c: R for c in caches}, cost=cost,
+                  description="per-rank value", context_split=tuple(context_split))
+
+
+def group_complete(*, cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
+    """Outputs Replicate from RankLocal inputs that hold every DCP member's part (a DCP
+    all-gather's output): a function of the whole group's data, which every group holds,
+    so the same on every rank (``dcp_history_order``)."""
+
+    def propagate(node: Node, pls: dict[str, Any]) -> PlacementValue:
+        if any(not isinstance(p, (Replicate, RankLocal)) for p in _flat(pls.values())):
+            _fail(node, "expects a DCP group's gathered RankLocal parts", pls)
+        return _outputs(node, R)
+
+    return OpRule("group_complete", propagate, cost=cost, description="whole DCP group -> Replicate")
 
 
 def shard_into_partial(acc: str, block: str, dim: str, *, flops_per_element: float = 1.0) -> OpRule:
