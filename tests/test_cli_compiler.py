@@ -114,13 +114,14 @@ def test_optimize_writes_artifact(compiled, model_dir):
         (["--target", "tpu"], "--target: unknown target 'tpu'; choose one of h200, mi355x, mi300x, cpu"),
         (["--dtype", "fp8"], "--dtype: unknown dtype 'fp8'; choose one of bfloat16, float32"),
         (["--dcp-merge", "gather"], "--dcp-merge: unknown merge 'gather'; choose one of reduce-scatter, all-to-all"),
+        (["--dcp-prefill", "absorbed"], "--dcp-prefill: unknown prefill 'absorbed'; choose one of gathered, partial"),
         (["--tp", "3"], "--tp 3: num_attention_heads = 4 does not divide by tp = 3"),
         (["--model", "{tmp}/missing"], "missing is not a directory"),
         (["--model", "{tmp}/bad-model"], "bad-model/config.json: field 'model_type' must be 'kimi_k3' or 'kimi_linear'"),
         (["--out", "{artifact}"], "already exists; pass --overwrite to replace it"),
         (["--out", "{model}", "--overwrite"], "it is not a k3compile artifact"),
     ],
-    ids=["unknown-pass", "unknown-pass-in-list", "unknown-target", "bad-dtype", "bad-dcp-merge", "tp-not-dividing",
+    ids=["unknown-pass", "unknown-pass-in-list", "unknown-target", "bad-dtype", "bad-dcp-merge", "bad-dcp-prefill", "tp-not-dividing",
          "missing-model-dir", "bad-config", "existing-out", "overwrite-non-artifact"],
 )
 def test_optimize_errors(compiled, model_dir, tmp_path, args, message):

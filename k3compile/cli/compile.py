@@ -27,22 +27,20 @@ from k3compile.cli.options import (
 from k3compile.cli.render import Steps, capture_text, config_label, dtype_name, human_bytes, plan_table, print_passes
 from k3compile.config import PRESETS, ConfigError
 
-# registry: the --dcp-merge option's pass config (choices from the pass registry).
-#: ``optimize --dcp-merge`` sets this option of this pass's config (its choices come
-#: from the registered config, not from importing the pass).
-_DCP_MERGE_OPTION = ("split_mla_context", "merge")
+# registry: the --dcp-merge and --dcp-prefill options' pass config (choices from the pass
+# registry, not from importing the pass).
+_DCP_PASS = "split_mla_context"
 
 
-def _dcp_merges() -> tuple[str, ...]:
+def _dcp_choices(option: str) -> tuple[str, ...]:
     from k3compile.pipeline import config_choices
 
-    return config_choices(*_DCP_MERGE_OPTION)
+    return config_choices(_DCP_PASS, option)
 
 
-def _dcp_merge_config(merge: str) -> dict[str, dict[str, str]]:
-    """``CompileOptions.pass_configs`` for ``--dcp-merge merge``."""
-    name, option = _DCP_MERGE_OPTION
-    return {name: {option: merge}}
+def _dcp_config(merge: str, prefill: str) -> dict[str, dict[str, str]]:
+    """``CompileOptions.pass_configs`` for ``--dcp-merge merge --dcp-prefill prefill``."""
+    return {_DCP_PASS: {"merge": merge, "prefill": prefill}}
 
 
 @app.command("optimize")
@@ -83,6 +81,14 @@ def optimize_command(
             "(all-gather of LSEs, then a reduce-scatter of rescaled outputs). Example: --dcp-merge all-to-all",
         ),
     ] = "all-to-all",
+    dcp_prefill: Annotated[
+        str,
+        typer.Option(
+            help="How a DCP prefill attends: gathered (the group's history all-gathered, then attention on the "
+            "rank's own heads as without DCP) or partial (each rank over its own positions, merged like "
+            "decode). Example: --dcp-prefill gathered",
+        ),
+    ] = "gathered",
     target: Annotated[
         str,
         typer.Option(
@@ -162,7 +168,8 @@ def optimize_command(
     try:
         check_plan(tp, dcp, dcp_interleave)
         at_least_one(block_size=block_size)
-        choice(dcp_merge, _dcp_merges(), "--dcp-merge", "merge")
+        choice(dcp_merge, _dcp_choices("merge"), "--dcp-merge", "merge")
+        choice(dcp_prefill, _dcp_choices("prefill"), "--dcp-prefill", "prefill")
         check_dtype(dtype)
         check_kv_cache_choice(kv_cache_dtype)
         check_target(target)
@@ -177,7 +184,7 @@ def optimize_command(
         try:
             options = CompileOptions(
                 tp=tp, dcp=dcp, dcp_interleave=dcp_interleave, target=target, dtype=dtype,
-                kv_cache_dtype=kv_cache_dtype, pass_configs=_dcp_merge_config(dcp_merge),
+                kv_cache_dtype=kv_cache_dtype, pass_configs=_dcp_config(dcp_merge, dcp_prefill),
                 block_size=block_size, enable=enabled, disable=disabled, validate=validate,
                 lowering=lowering_choice(inductor) or "auto", hash_weights=hash_weights,
             )
