@@ -161,6 +161,28 @@ def test_attributes_are_what_the_jit_derives():
     assert pools[(1,)] == [["tt.divisibility", 16]] and ["tt.pointer_range", 32] in pools[(0,)]
 
 
+def test_launch_report_launches_are_what_the_jit_derives():
+    """The same check for every launch the kernel launch report plans for a K3 TP8 rank
+    (runtime/kernels/launch_report.py): decode at batch 1 and 16, prefill of 128K tokens
+    (whose largest tensors take the 64-bit variants), on gfx950 and sm_90."""
+    from k3compile.config import PRESETS
+    from k3compile.runtime.kernels.launch_report import StepShapes, planned_launches
+
+    checked, wide = 0, 0
+    for target in ("gfx950", "sm_90"):
+        for batch in (1, 16):
+            shapes = StepShapes.of_model(PRESETS["k3"], 8, 1, batch, 131072, torch.bfloat16)
+            for planned in planned_launches(target, shapes):
+                launch = planned.launch
+                if any(str(ty).startswith("tensordesc") for ty in launch.signature.values()):
+                    continue
+                _, attrs = jit_specialisation(launch, target)
+                assert aot.attributes(launch.request(target)) == attrs, (planned.name, target)
+                checked += 1
+                wide += target == "gfx950" and bool(launch.pointers_over_2gib)
+    assert checked >= 30 and wide >= 5  # the 64-bit variants among them
+
+
 def test_unknown_target_is_a_clear_error():
     known = r"known targets are \['gfx942', 'gfx950', 'sm_90'\]"
     with pytest.raises(ValueError, match=rf"unknown target 'gfx1200': {known}"):
