@@ -156,8 +156,8 @@ class ExpandedConfig:
 def expanded_config(target: str, dtype: torch.dtype) -> ExpandedConfig:
     """Tiles and warps per target at K3's shapes (Dn = Dv = 128, R = 64): on CUDA the
     fastest of an H200 sweep (BENCHMARKS.md), on AMD from the AOT resources (docs/kernels.md:
-    two workgroups per CU, the pipelined loads' LDS left to the compiler). fp32 tiles are
-    twice as wide: half the rows."""
+    two waves per SIMD, i.e. one 8-wave workgroup per CU; the pipelined loads' LDS left to
+    the compiler). fp32 tiles are twice as wide: half the rows."""
     if dtype == torch.float32:
         return ExpandedConfig(64, 32, 4, 1)
     return ExpandedConfig(128, 64, 8, 3) if target == "sm_90" else ExpandedConfig(128, 64, 8, 1)
