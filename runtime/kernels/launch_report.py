@@ -219,11 +219,11 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
                          f"chunks of {kda_prefill.CHUNK}")]
     if group:
-        segments = s.batch * triton.cdiv(chunks, group)
+        segments = triton.cdiv(worst, group) + s.batch  # the launcher's worst-case grid (kda_prefill_scan.chunk_groups)
         out += [PlannedLaunch("prefill", "kda prefill group summaries", launches["kda_prefill group summaries"],
                               segments * H * 2 * tiles, f"groups of {group} chunks"),
                 PlannedLaunch("prefill", "kda prefill group scan", launches["kda_prefill group scan"],
-                              s.batch * H * tiles, f"{segments // s.batch} groups a sequence"),
+                              s.batch * H * tiles, f"{triton.cdiv(chunks, group)} groups a sequence"),
                 PlannedLaunch("prefill", "kda prefill state pass", launches["kda_prefill state pass"],
                               segments * H * tiles, f"groups of {group} chunks")]
     else:
