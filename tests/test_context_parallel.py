@@ -20,7 +20,9 @@ from tolerances import DCP_MERGE, DCP_RESCALE, assert_close_scaled
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile import runtime
+from k3compile.artifact import read_artifact_info
 from k3compile.batch import CacheShape
+from k3compile.cli.kernels import dcp_prefill
 from k3compile.compiler import CompileOptions, optimize
 from k3compile.context_parallel import ContextLayout, dcp_groups, localize_step, mla_cache_indices
 from k3compile.ops.mla import mla_decode_reference
@@ -248,6 +250,7 @@ def test_tp2_dcp2_validated_on_gloo_ranks_and_runs_like_dcp1(compile_once, rank_
     assert decode.report.ok and decode.report.max_error < 1e-5
     assert prefill.report.ok and prefill.report.max_error < 1e-5  # the absorbed form: other rounding
     assert prefill.result.stats["collectives_added"] == 3 * n_mla
+    assert dcp_prefill(read_artifact_info(result.out_dir).passes) == "partial"  # what inspect --kernels reports
 
     program = result.captured.programs["decode"]
     gm = program.graph_module
@@ -291,6 +294,7 @@ def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_onc
                for n in ordered)  # the group's gathered blocks in, the whole history out
     assert all(n.meta["placement"] == Shard(1) for n in attention)  # this rank's own heads, as without DCP
     assert not any(n.target is k3.mla_prefill_partial.default for n in gm.graph.nodes)
+    assert dcp_prefill(read_artifact_info(result.out_dir).passes) == "gathered"
 
     program = result.captured.programs["decode"]
     gm = program.graph_module

@@ -110,8 +110,15 @@ def test_prefill_grids_of_one_32k_prompt_on_mi355x(aot_reports):
     assert at_128k["kda prefill preparation"].launch.pointers_over_2gib == ("scratch_ptr",)
 
 
-def test_prefill_under_dcp_reports_the_absorbed_share():
-    planned = {p.name: p for p in planned_launches("gfx950", k3_rank(1, 4096, dcp=8))}
-    mla = planned["mla prefill (absorbed, DCP share)"]
+def test_prefill_under_dcp_by_the_pass_option():
+    """gathered (the default): the DCP1 prefill on the rank's 12 heads over the whole
+    history; partial: the absorbed kernel over the member's share for the group's 96 heads."""
+    gathered = {p.name: p for p in planned_launches("gfx950", k3_rank(1, 4096, dcp=8))}
+    assert gathered["mla prefill (expanded)"].programs == 4096 // 128 * 12
+    shapes = StepShapes.of_model(PRESETS["k3"], 8, 8, 1, 4096, torch.bfloat16, dcp_prefill="partial")
+    partial = {p.name: p for p in planned_launches("gfx950", shapes)}
+    mla = partial["mla prefill (absorbed, DCP share)"]
     assert mla.programs == triton.cdiv(4096 * 96, mla.launch.constexprs["BLOCK_M"])
-    assert "mla prefill (expanded)" not in planned
+    assert "mla prefill (expanded)" not in partial
+    with pytest.raises(ValueError, match="dcp_prefill"):
+        StepShapes.of_model(PRESETS["k3"], 8, 8, 1, 4096, torch.bfloat16, dcp_prefill="absorbed")

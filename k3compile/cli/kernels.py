@@ -25,6 +25,16 @@ def check_report_choices(target: str, batch: int, context: int) -> None:
         raise UserError(f"--context: at least 1 token, got {context}")
 
 
+def dcp_prefill(passes: list[Any]) -> str:
+    """split_mla_context's prefill option as the artifact's pass records show it: "partial"
+    where its prefill rewrite added k3.mla_prefill_partial nodes, else "gathered"."""
+    for record in passes:
+        if isinstance(record, dict) and record.get("pass") == "split_mla_context" and record.get("phase") == "prefill":
+            if any("mla_prefill_partial" in op for op in record.get("op_count_delta", {})):
+                return "partial"
+    return "gathered"
+
+
 def kernel_table(phase: str, rows: list[Any], title: str) -> Table:
     """One phase's launches as a table (rows: ``launch_report.LaunchRow``)."""
     table = Table(title=title, title_justify="left")
@@ -48,7 +58,8 @@ def print_kernel_report(info: Any, target: str, batch: int, context: int) -> Non
     from k3compile.runtime.kernels.launch_report import StepShapes, launch_report
 
     spec = TARGETS[target]
-    shapes = StepShapes.of_model(info.config, info.tp, info.dcp, batch, context, info.dtype, info.kv_cache_dtype)
+    shapes = StepShapes.of_model(info.config, info.tp, info.dcp, batch, context, info.dtype, info.kv_cache_dtype,
+                                 dcp_prefill(info.passes))
     with console.status(f"compiling the step's kernels for {target} ({spec.arch})"):
         rows = launch_report(spec.arch, shapes)
     where = f"{target} ({spec.arch}, {spec.compute_units} compute units), one rank of TP{info.tp}" + (

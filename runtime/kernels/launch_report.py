@@ -55,16 +55,19 @@ class StepShapes:
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype | None = None  # the MLA cache's (None: dtype)
     dcp: int = 1  # members of a DCP group: each holds 1 / dcp of the MLA history
+    dcp_prefill: str = "gathered"  # split_mla_context's prefill option (decision 66)
     hidden: int = 7168
     tp: int = 8  # the deduplicated expert up-projection's rows a rank adds: hidden / tp
 
     def __post_init__(self) -> None:
+        if self.dcp_prefill not in ("gathered", "partial"):
+            raise ValueError(f"dcp_prefill: 'gathered' or 'partial', got {self.dcp_prefill!r}")
         if self.batch < 1 or self.context < 1:
             raise ValueError(f"a step needs batch >= 1 and context >= 1, got {self.batch} and {self.context}")
 
     @classmethod
     def of_model(cls, config: K3Config, tp: int, dcp: int, batch: int, context: int, dtype: torch.dtype,
-                 kv_dtype: torch.dtype | None = None) -> StepShapes:
+                 kv_dtype: torch.dtype | None = None, dcp_prefill: str = "gathered") -> StepShapes:
         """One rank's shapes of ``config`` at TP ``tp`` (heads and expert intermediates
         split ``tp`` ways) and DCP ``dcp`` (the decode kernel takes the group's gathered
         heads, padded to its head tile)."""
@@ -73,7 +76,7 @@ class StepShapes:
                    -(-heads * dcp // split_kv.HEAD_TILE) * split_kv.HEAD_TILE, heads, config.kv_lora_rank,
                    config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim, config.num_experts,
                    config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size // tp,
-                   dtype, kv_dtype, dcp, config.hidden_size, tp)
+                   dtype, kv_dtype, dcp, dcp_prefill, config.hidden_size, tp)
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,7 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
 
 
 def _mla_prefill(target: str, s: StepShapes) -> PlannedLaunch:
-    if s.dcp > 1:  # the absorbed kernel over the member's share, every head of the group (issue #23)
+    if s.dcp > 1 and s.dcp_prefill == "partial":  # the absorbed kernel over the member's share, the group's heads
         launches = attention.attention_aot_launches(target, s.mla_latent + s.mla_rope, s.mla_latent, s.dtype,
                                                     s.kv_dtype)
         launch = next(launch for launch in launches if launch.name.startswith(attention.PREFILL.name + "_context_split"))
