@@ -149,7 +149,8 @@ def localize_step(layer_kinds: tuple[str, ...] | list[str], inputs: list, layout
     lengths = seq_lens.tolist()
     new = (cu[1:] - cu[:-1]).tolist()
     local_blocks = [-(-layout.local_length(n) // block_size) for n in lengths]
-    width = max([1, *local_blocks])
+    # as wide on every member (the runtime's SequenceTable.make_batch): the prefill's history all-gather
+    width = max([1, *(-(-layout.max_local_length(n) // block_size) for n in lengths)])
     local_table = torch.zeros(len(lengths), width, dtype=table.dtype)
     global_slots, local_slots, history, local_mapping = [], [], [], []
     next_block = 1  # block 0 is scratch

@@ -171,13 +171,14 @@ class SplitMLAContext(GraphPass):
         offset: list[Node] = []  # the rank constant, made once
         local_lengths: dict[Node, Node] = {}  # per seq_lens input: one k3.dcp_local_lengths for all layers
         for node in attention:
-            if not offset:
+            gathered = node.target is k3.mla_prefill.default and self.config.prefill == "gathered"
+            if not offset and not gathered:  # the gathered prefill reads whole histories: no offset
                 offset.append(add_rank_constant(ctx, POSITION_OFFSET, ShardOffset(dcp * interleave, period=dcp)))
+            if gathered:
+                result.add_rewrite(self._rewrite_prefill_gathered(gm, node, dcp, interleave))
+                continue
             if node.target is k3.mla_prefill.default:
-                if self.config.prefill == "gathered":
-                    result.add_rewrite(self._rewrite_prefill_gathered(gm, node, dcp, interleave))
-                else:
-                    result.add_rewrite(self._rewrite_prefill(gm, node, offset[0], dcp, interleave))
+                result.add_rewrite(self._rewrite_prefill(gm, node, offset[0], dcp, interleave))
                 continue
             seq_lens = node.args[3]
             if seq_lens not in local_lengths:

@@ -231,6 +231,11 @@ def test_inspect_kernels_bad_options(compiled, args, message):
     assert_one_line_error(invoke("inspect", out, "--kernels", *args), message)
 
 
+def test_inspect_report_options_need_kernels(compiled):
+    out, _ = compiled
+    assert_one_line_error(invoke("inspect", out, "--batch", "4"), "--batch describes the kernel report: add --kernels")
+
+
 # ----- run ----------------------------------------------------------------------------
 
 

@@ -132,11 +132,12 @@ def test_step_slot_mapping_is_each_positions_cache_slot(dcp, interleave, rank):
     assert len(set(expected) - {0}) == sum(layout.owns(p) for p in range(5, 42)) + sum(layout.owns(p) for p in range(1, 4))
 
 
-@pytest.mark.parametrize("dcp,interleave", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("dcp,interleave", [(2, 1), (2, 2), (4, 1), (4, 2), (2, 3), (2, 8)])
 def test_history_order_puts_every_members_positions_in_order(dcp, interleave):
     """k3.dcp_local_blocks on each member's cache (laid out by its SequenceTable), stacked
     member-major as the all-gather does, then k3.dcp_history_order: every sequence's
-    positions in order, each row the one its owner wrote for that position."""
+    positions in order, each row the one its owner wrote for that position (also with an
+    interleave that does not divide the blocks, or exceeds a block)."""
     lengths, bs, W = [9, 7, 1, 3], 4, 3  # the longest, 9, at DCP2: 5 and 4 positions, 2 and 1 blocks
     caches, tables = [], []
     for rank in range(dcp):
@@ -187,6 +188,19 @@ def test_localize_step_moves_owned_history_and_maps_new_tokens():
     loc = local.inputs[-1][k].view(-1, W)[local.local_slots]
     assert torch.equal(loc[history], g[history])  # history copied; new tokens are written by the step
     assert local.inputs[-1][0] is inputs[-1][0]  # KDA state unchanged
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_localized_block_tables_are_as_wide_on_every_member(block_size):
+    """The gathered prefill all-gathers each member's blocks: translation validation's
+    localized steps, like the runtime's, give every member a table of the same width."""
+    from k3compile.config import get_preset
+
+    cfg = get_preset("tiny")
+    inputs = random_step_inputs(cfg, ParallelPlan(2, 0), "prefill", torch.float32, block_size, seed=1,
+                                fresh_prefill=True)
+    widths = {localize_step(cfg.layer_kinds, inputs, ContextLayout(2, 1, r)).inputs[4].shape[1] for r in range(2)}
+    assert len(widths) == 1, widths
 
 
 # ----------------------------------------------------------------------------- the pass

@@ -194,11 +194,15 @@ def inspect_command(
             "Example: --kernels --batch 16 --context 131072 --target mi300x",
         ),
     ] = False,
-    batch: Annotated[int, typer.Option(help="With --kernels: sequences in the step. Example: --batch 16")] = 1,
+    batch: Annotated[
+        Optional[int],
+        typer.Option(help="With --kernels: sequences in the step (default 1). Example: --batch 16", show_default=False),
+    ] = None,
     context: Annotated[
-        int, typer.Option(help="With --kernels: positions a decoding sequence attends to, and tokens of each "
-                          "prefilled prompt. Example: --context 131072")
-    ] = 32768,
+        Optional[int],
+        typer.Option(help="With --kernels: positions a decoding sequence attends to, and tokens of each prefilled "
+                     "prompt (default 32768). Example: --context 131072", show_default=False),
+    ] = None,
     target: Annotated[
         Optional[str],
         typer.Option(help="With --kernels: the GPU target (default: the artifact's, or mi355x for a CPU "
@@ -233,6 +237,11 @@ def inspect_command(
         selected = [s for s in info.passes if _summary_matches(s, pass_name, phase)]
         layer_snaps = _layer_nodes(out, phases, layer) if layer is not None else None
         report_target = target or (info.target if info.target in REPORT_TARGETS else "mi355x")
+        given = [name for name, value in (("--batch", batch), ("--context", context), ("--target", target))
+                 if value is not None]
+        if given and not kernels:
+            raise UserError(f"{given[0]} describes the kernel report: add --kernels")
+        batch, context = (1 if batch is None else batch), (32768 if context is None else context)
         if kernels:
             check_report_choices(report_target, batch, context)
     except (UserError, ArtifactError) as e:

@@ -55,12 +55,15 @@ def markdown_report() -> str:
             lines.append(f"| {phase} | {kernel} | " + " | ".join(cells) + " |")
         lines += ["", "| launch | plan (first step using it) | LDS KiB | VGPRs | spills | resident / CU |",
                   "|---|---|--:|--:|--:|--:|"]
-        seen: set[str] = set()
+        seen: set[tuple] = set()
         for step in steps:
             for r in reports[step]:
-                if r.planned.launch.name in seen:
+                launch = r.planned.launch
+                key = (launch.name, tuple(sorted((k, str(v)) for k, v in launch.constexprs.items())),
+                       launch.num_warps, launch.num_stages)
+                if key in seen:  # a name can cover several specialisations (split counts, hints)
                     continue
-                seen.add(r.planned.launch.name)
+                seen.add(key)
                 res = r.resources
                 lines.append(f"| {r.planned.launch.name} | {r.planned.plan} | {res.shared_bytes / 1024:.0f} | "
                              f"{res.registers} | {res.spills} | {r.resident} |")

@@ -127,12 +127,13 @@ def dcp_history_order(gathered: Tensor, dcp: int, interleave: int, dtype: torch.
     members' blocks hold there (attention masks them by seq_lens)."""
     rows, B, bs, W = gathered.shape
     N = rows // dcp
-    local = gathered.view(dcp, N, B * bs, W)
+    by_sequence = gathered.view(dcp, N, B * bs, W).transpose(0, 1)  # [N, dcp, B*bs, W]
     p = torch.arange(dcp * B * bs, device=gathered.device)
     member = (p // interleave) % dcp
-    at = (p // (dcp * interleave)) * interleave + p % interleave
-    history = local[member, :, at]  # [P, N, W]: the advanced indices' dim first
-    cache = history.permute(1, 0, 2).reshape(N * dcp * B, bs, W).view(dtype)
+    # a local index past the member's blocks belongs to a position no member stores (past
+    # every sequence's length when the interleave does not divide B*bs): any row will do
+    at = ((p // (dcp * interleave)) * interleave + p % interleave).clamp_(max=B * bs - 1)
+    cache = by_sequence[:, member, at].reshape(N * dcp * B, bs, W).view(dtype)
     table = torch.arange(N * dcp * B, dtype=torch.int32, device=gathered.device).view(N, dcp * B)
     return cache, table
 

@@ -8,8 +8,9 @@ only the k3 cache ops know that layout. So in a program whose MLA caches are FP8
   dequantise in their kernels (``READERS``);
 - no other node takes a cache, and no node makes an FP8 value: nothing quantises or
   dequantises the history in the graph, where it would cost a pass over the whole cache.
-  Byte copies of cache rows are the exception (``COPIES``: the DCP prefill's history
-  all-gather, passes/split_mla_context.py): they keep the codes and scales as they are.
+  The DCP prefill's gathered history (passes/split_mla_context.py) is the exception: its
+  rows travel as bytes and ``k3::dcp_history_order`` puts them back as FP8 cache rows,
+  codes and scales as written, which only the attention ops read (``HISTORY``).
 
 Caches handed to a ``torch.cond`` branch are followed into it. :func:`check_mla_cache_use`
 runs after capture and after every pass (``lint_graph``).
@@ -31,8 +32,9 @@ COND = torch.ops.higher_order.cond
 WRITER = k3.mla_cache_write.default
 READERS = frozenset({k3.mla_decode.default, k3.mla_decode_split_kv.default, k3.mla_prefill.default,
                      k3.mla_prefill_partial.default, k3.dcp_local_blocks.default})
-#: ops that copy FP8 cache rows as bytes (no quantisation): they may make FP8 values
-COPIES = frozenset({k3.dcp_history_order.default, operator.getitem})
+#: the op that puts all-gathered cache bytes back as cache rows (no quantisation): its
+#: history output is FP8 like the caches and, like them, read only by READERS
+HISTORY = k3.dcp_history_order.default
 
 
 def _is_fp8(node: Node) -> bool:
@@ -54,13 +56,23 @@ def _uses(gm: GraphModule, cache: Node) -> list[Node]:
     return uses
 
 
+def _is_history(node: Node) -> bool:
+    """A gathered history, or the ``dcp_history_order`` that makes it (``HISTORY``)."""
+    return node.target is HISTORY or (node.target is operator.getitem and node.args[0].target is HISTORY)
+
+
 def check_mla_cache_use(gm: GraphModule) -> None:
     """Raise PassError if an FP8 MLA cache of ``gm`` is used other than as described above."""
     caches = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_fp8(n)]
     for node in gm.graph.nodes:
-        if node.op != "placeholder" and node.target not in COPIES and _is_fp8(node):
+        if node.op != "placeholder" and not _is_history(node) and _is_fp8(node):
             raise PassError(f"{node.name} ({node.target}) makes an FP8 value outside the cache ops: "
                             "the FP8 MLA cache is quantised only by k3::mla_cache_write")
+        if node.target is operator.getitem and _is_history(node) and _is_fp8(node):
+            readers = [u for u in node.users if u.target not in READERS]
+            if readers:
+                raise PassError(f"the gathered FP8 MLA history {node.name} is read by {readers[0].name} "
+                                f"({readers[0].target}): only the attention ops dequantise it, in their kernels")
     for cache in caches:
         uses = _uses(gm, cache)
         writes = [u for u in uses if u.target is WRITER]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from k3compile.context_parallel import DCP_GROUP_NAME
 from k3compile.placement.nodes import (
     R,
     PlacementValue,
@@ -132,7 +133,8 @@ class CostCall:
 class OpRule:
     """How one k3 op places its outputs (``propagate``) and what it costs (``cost``)."""
 
-    kind: str  # "elementwise" | "rowwise" | "split" | "replicated" | "rank_local" | "shard_into_partial"
+    #: "elementwise" | "rowwise" | "split" | "replicated" | "rank_local" | "group_complete" | "shard_into_partial"
+    kind: str
     propagate: Callable[[Node, dict[str, Any]], PlacementValue]
     caches: tuple[str, ...] = ()
     cache_placements: Mapping[str, Placement] = field(default_factory=dict)
@@ -258,7 +260,9 @@ def replicated(
 def rank_local(*, cost: Callable[[CostCall], Cost] | None = None, caches: Sequence[str] = (),
                context_split: Sequence[str] = ()) -> OpRule:
     """Outputs ``RankLocal`` from Replicate (or RankLocal) inputs: a value that depends on
-    the rank (e.g. its share of each context length under context parallelism)."""
+    the rank (e.g. its share of each context length under context parallelism).
+    ``caches`` / ``context_split``: as for :func:`split` (the MLA cache and block table a
+    rank holds its positions in)."""
 
     def propagate(node: Node, pls: dict[str, Any]) -> PlacementValue:
         if any(not isinstance(p, (Replicate, RankLocal)) for p in _flat(pls.values())):
@@ -269,6 +273,16 @@ def rank_local(*, cost: Callable[[CostCall], Cost] | None = None, caches: Sequen
                   description="per-rank value", context_split=tuple(context_split))
 
 
+def _is_dcp_gather(node: Any) -> bool:
+    """``node`` is the wait of an all-gather over the DCP group."""
+    c10d = torch.ops._c10d_functional
+    if not isinstance(node, Node) or node.target is not c10d.wait_tensor.default:
+        return False
+    gather = node.args[0]
+    return (isinstance(gather, Node) and gather.target is c10d.all_gather_into_tensor.default
+            and DCP_GROUP_NAME in gather.args)
+
+
 def group_complete(*, cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
     """Outputs Replicate from RankLocal inputs that hold every DCP member's part (a DCP
     all-gather's output): a function of the whole group's data, which every group holds,
@@ -277,6 +291,9 @@ def group_complete(*, cost: Callable[[CostCall], Cost] | None = None) -> OpRule:
     def propagate(node: Node, pls: dict[str, Any]) -> PlacementValue:
         if any(not isinstance(p, (Replicate, RankLocal)) for p in _flat(pls.values())):
             _fail(node, "expects a DCP group's gathered RankLocal parts", pls)
+        if not _is_dcp_gather(node.args[0]):
+            _fail(node, "its first input must be a DCP all-gather's output (wait_tensor of all_gather_into_tensor "
+                        f"over {DCP_GROUP_NAME!r})", pls)
         return _outputs(node, R)
 
     return OpRule("group_complete", propagate, cost=cost, description="whole DCP group -> Replicate")

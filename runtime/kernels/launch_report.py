@@ -72,11 +72,14 @@ class StepShapes:
         split ``tp`` ways) and DCP ``dcp`` (the decode kernel takes the group's gathered
         heads, padded to its head tile)."""
         heads = config.num_attention_heads // tp
-        return cls(batch, context, config.linear_attn.num_heads // tp, config.linear_attn.head_dim,
-                   -(-heads * dcp // split_kv.HEAD_TILE) * split_kv.HEAD_TILE, heads, config.kv_lora_rank,
-                   config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim, config.num_experts,
-                   config.num_experts_per_token, config.routed_expert_hidden_size, config.moe_intermediate_size // tp,
-                   dtype, kv_dtype, dcp, dcp_prefill, config.hidden_size, tp)
+        return cls(batch, context, kda_heads=config.linear_attn.num_heads // tp,
+                   kda_head_dim=config.linear_attn.head_dim,
+                   mla_heads=-(-heads * dcp // split_kv.HEAD_TILE) * split_kv.HEAD_TILE, mla_prefill_heads=heads,
+                   mla_latent=config.kv_lora_rank, mla_rope=config.qk_rope_head_dim,
+                   mla_nope=config.qk_nope_head_dim, mla_value=config.v_head_dim, experts=config.num_experts,
+                   top_k=config.num_experts_per_token, expert_hidden=config.routed_expert_hidden_size,
+                   expert_intermediate=config.moe_intermediate_size // tp, dtype=dtype, kv_dtype=kv_dtype, dcp=dcp,
+                   dcp_prefill=dcp_prefill, hidden=config.hidden_size, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ def _mla_decode(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     qk, latent = s.mla_latent + s.mla_rope, s.mla_latent
     kernel = next(launch for launch in split_kv.split_kv_aot_launches(target, qk, latent, s.dtype, s.kv_dtype)
                   if launch.constexprs["BLOCK_H"] == config.block_h)
+    if splits == 1:  # the programs write the final output in the model dtype, not fp32 partials
+        out_type = "*" + aot.TRITON_DTYPES[s.dtype]
+        kernel = replace(kernel, name=kernel.name + "_unsplit", signature={**kernel.signature, "o_ptr": out_type})
     plan = f"head tile {config.block_h}, KV tile {config.block_n}, {splits} splits" + (", TMA" if config.tma else "")
     out = [PlannedLaunch("decode", "mla decode split-KV", kernel,
                          triton.cdiv(H, config.block_h) * splits * s.batch, plan)]
@@ -200,8 +206,9 @@ def _dedup_rows(target: str, s: StepShapes) -> list[PlannedLaunch]:
     config = rows.choose_splitk_config(s.batch, target)
     plan = rows.splitk_plan(s.batch, N, n, K, config, s.dtype, interpreted=False)
     signature, constexprs, warps = rows.splitk_aot_signature(s.dtype, config, s.batch, N, n, K, target)
+    divisible = tuple(a for a, v in (("N", N), ("n", n), ("K", K)) if v % 16 == 0)  # as the JIT marks them
     launch = KernelLaunch(f"rows_splitk_{'dot' if config.dot else 'fma'}_s{plan.splits}", rows._rows_gemv_add_kernel,
-                          signature, constexprs, warps, 1, ("K",))
+                          signature, constexprs, warps, 1, divisible)
     return [PlannedLaunch("decode", "expert up-projection rows (split-K)", launch, plan.programs, str(config))]
 
 
@@ -241,7 +248,8 @@ def _mla_prefill(target: str, s: StepShapes) -> PlannedLaunch:
     if s.dcp > 1 and s.dcp_prefill == "partial":  # the absorbed kernel over the member's share, the group's heads
         launches = attention.attention_aot_launches(target, s.mla_latent + s.mla_rope, s.mla_latent, s.dtype,
                                                     s.kv_dtype)
-        launch = next(launch for launch in launches if launch.name.startswith(attention.PREFILL.name + "_context_split"))
+        split_name = attention.PREFILL.name + "_context_split"
+        launch = next(launch for launch in launches if launch.name.startswith(split_name))
         heads = s.mla_prefill_heads * s.dcp
         grid = attention.attention_grid(s.batch, s.context, heads, launch.constexprs["BLOCK_M"])
         return PlannedLaunch("prefill", "mla prefill (absorbed, DCP share)", launch, grid[0] * grid[1],

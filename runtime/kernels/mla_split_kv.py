@@ -59,8 +59,9 @@ from k3compile.runtime.kernels.targets import AMD_TARGETS, compute_units, device
 #: tiles before the pipeline streams. An estimate: benchmarks/mla_decode.py --sweep
 #: times the split counts around the choice.
 SPLIT_OVERHEAD_TOKENS = 64
-#: the most KV splits on sm_90 (the H200 sweep's best at batch 1, BENCHMARKS.md); other
-#: targets: one wave of the device's resident programs (SplitKVConfig.max_splits)
+#: the most KV splits on sm_90 and for fp32 inputs (the H200 sweep's best at batch 1,
+#: BENCHMARKS.md); the AMD configurations allow as many as the device holds resident
+#: programs (SplitKVConfig.max_splits)
 MAX_SPLITS = 256
 
 
@@ -316,7 +317,8 @@ class SplitKVConfig:
     #: :func:`_kv_descriptors`; else, and always when False, pointer gathers
     tma: bool = False
     #: the most KV splits :func:`choose_num_splits` picks; None: as many as the device
-    #: holds resident programs (units x programs_per_sm), one wave of a batch-1 step
+    #: holds resident programs (units x programs_per_sm: one wave of a batch-1 step whose
+    #: heads fit one head tile)
     max_splits: int | None = MAX_SPLITS
 
 

@@ -538,7 +538,8 @@ def expert_gemm_launch(plan: MoePlan, glu: bool, label: str, top_k: int = 16, D:
              "wa_ptr": "*u8", "sa_ptr": "*u8", "wb_ptr": "*u8", "sb_ptr": "*u8",
              "out_ptr": f"*{t}" if glu else "*fp32", "ws_ptr": "*fp32", "counter_ptr": "*i32",
              "beta": "fp32", "linear_beta": "fp32"}
-    div = tuple(a for a, v in (("N", n), ("KD", kd)) if v % 16 == 0)
+    # P = T * top_k pairs: a multiple of 16 at every T when top_k is (K3: 16)
+    div = tuple(a for a, v in (("P", top_k), ("N", n), ("KD", kd)) if v % 16 == 0)
     return KernelLaunch(f"{'w13' if glu else 'w2'}_{label}_{g}", _expert_gemm_kernel,
                         launch_signature(_expert_gemm_kernel, types, c), c, g.num_warps, g.num_stages, div)
 

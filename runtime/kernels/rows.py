@@ -293,8 +293,9 @@ SPLITK_CONFIG = SplitKConfig(block_n=16, split_k=14, num_warps=2, block_k=128, d
 
 
 #: K splits on AMD targets: 28 (one 128-column tile each at K = 3584) keeps the H200's ~6
-#: programs per compute unit on 256 / 304 CUs (56 row tiles x 28 = 1,568 programs; 14
-#: splits would leave ~3 per CU). Derived from the CU counts, not measured (decision 65).
+#: programs per compute unit on 256 / 304 CUs (56 row tiles x (28 splits + the copy
+#: column) = 1,624 programs; 14 splits would leave ~3 per CU). Derived from the CU counts,
+#: not measured (decision 65).
 AMD_SPLIT_K = 28
 
 
