@@ -47,7 +47,7 @@ def kernel_table(phase: str, rows: list[Any], title: str) -> Table:
         r = row.resources
         fill = "-" if row.fill is None else f"{row.fill:.2f}"
         warnings = "; ".join(row.warnings)
-        table.add_row(row.planned.name, row.planned.plan, f"{row.planned.programs:,}", str(row.resident or "-"), fill,
+        table.add_row(row.planned.name, row.planned.plan, f"{row.planned.programs:,}", "-" if row.resident is None else str(row.resident), fill,
                       f"{r.shared_bytes / 1024:.0f}", str(r.registers or "-"),
                       f"[yellow]{warnings}[/]" if warnings else "")
     return table
@@ -69,4 +69,3 @@ def print_kernel_report(info: Any, target: str, batch: int, context: int) -> Non
     console.print("[dim]fill: programs over the device's resident slots (compute units x resident per unit); "
                   "resident from the compiled registers and LDS. Covered: the attention, KDA and routed-expert "
                   "kernels (the small per-token ones are not listed).[/]", soft_wrap=True)
-
