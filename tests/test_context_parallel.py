@@ -323,6 +323,23 @@ def test_all_to_all_merge_validated_on_gloo_ranks_and_runs_like_dcp1(compile_onc
     _check_like_dcp1(dcp1_runs, rank_pools.get(2).run(_rank_run, result.out_dir), dcp=2)
 
 
+def test_inspect_kernels_reports_the_dcp_prefill_the_artifact_runs(compile_once):
+    """inspect --kernels on TP2 / DCP2 artifacts: the split-KV kernel takes the group's
+    gathered heads; the prefill is the DCP1 kernel on the rank's own heads (gathered) or
+    the absorbed kernel over its share (partial), as the pass rewrote it."""
+    from cli_runs import invoke
+
+    for prefill, kernel in (("gathered", "mla prefill (expanded)"), ("partial", "mla prefill (absorbed, DCP share)")):
+        out = _compile(compile_once, tp=2, dcp=2, merge="reduce-scatter" if prefill == "partial" else "all-to-all",
+                       prefill=prefill).out_dir
+        result = invoke("inspect", out, "--kernels", "--batch", "2", "--context", "512", "--target", "mi355x")
+        assert result.exit_code == 0, result.output
+        text = result.stdout
+        assert "one rank of TP2 / DCP2" in text
+        decode_part, prefill_part = text.split("Prefill: ")
+        assert "mla decode split-KV" in decode_part and kernel in prefill_part, (prefill, text)
+
+
 @pytest.mark.sweep
 def test_tp4_dcp2_interleaved_and_dcp4_run_like_dcp1(compile_once, rank_pools):
     """DCP4 with either merge (prompts of 1 and 2 tokens: members that own nothing)."""
