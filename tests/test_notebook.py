@@ -145,7 +145,7 @@ def test_pass_sections_show_what_each_pass_did(executed):
     assert "KV cache/token" in out("split_mla_context") and "+6 collectives" in out("split_mla_context")
     assert "heads 4 -&gt; 16" in rich(tagged(executed, "pass-pad_attention_heads"), "text/html")
     prefill = stdout(tagged(executed, "pass-split_mla_context-prefill"))
-    assert "changed=True" in prefill and "+%mla_prefill_partial_default = k3.mla_prefill_partial" in prefill
+    assert "changed=True" in prefill and "+%dcp_history_order_default = k3.dcp_history_order" in prefill
 
 
 def test_artifact_matches_the_reference_on_two_ranks(executed):
