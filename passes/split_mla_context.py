@@ -206,9 +206,7 @@ class SplitMLAContext(GraphPass):
             q_all = _gather_heads(graph, q, dcp, heads, width)
             local = graph.call_function(node.target, (q_all, kv_cache, block_table, local_lengths, scale, value_dim))
             out = self._merge(graph, local, dcp, q_val.dtype)
-        for new in graph.nodes:
-            if new not in existing:
-                new.meta["nn_module_stack"] = _stack(node)
+        _adopt(graph, existing, node)
         if 0 in users:
             users[0].replace_all_uses_with(out)
         for user in users.values():
@@ -258,11 +256,7 @@ class SplitMLAContext(GraphPass):
             table = graph.call_function(operator.getitem, (ordered, 1))
             out = graph.call_function(k3.mla_prefill.default, (q, cache, kv_b_weight, cu_seqlens, table, seq_lens,
                                                                scale))
-        for new in graph.nodes:
-            if new not in existing:
-                new.meta["nn_module_stack"] = _stack(node)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _replace(graph, node, out, existing)
         detail = (f"{_module(node)}: prefill over the history all-gathered from the {dcp} DCP members in position "
                   f"order, this rank's heads (the DCP1 op)")
         return Rewrite(node.name, detail, {"collectives_added": 1})
@@ -292,14 +286,24 @@ class SplitMLAContext(GraphPass):
                 q_all, kv_cache, block_table, cu_seqlens, seq_lens, offset, dcp, interleave, scale, L))
             merged = self._merge(graph, local, dcp, q.meta["val"].dtype)
             out = graph.call_function(aten.einsum.default, ("thl,hdl->thd", [merged, w_uv]))
-        for new in graph.nodes:
-            if new not in existing:
-                new.meta["nn_module_stack"] = _stack(node)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _replace(graph, node, out, existing)
         detail = (f"{_module(node)}: prefill in the absorbed form, {heads} heads gathered to {dcp * heads}, causal "
                   f"attention over this rank's positions (history included), LSE merge by {self.config.merge}")
         return Rewrite(node.name, detail, {"collectives_added": 2 if self.config.merge == "all-to-all" else 3})
+
+
+def _adopt(graph, existing: set[Node], node: Node) -> None:
+    """The nodes added since ``existing`` take ``node``'s module stack (the layer they replace)."""
+    for new in graph.nodes:
+        if new not in existing:
+            new.meta["nn_module_stack"] = _stack(node)
+
+
+def _replace(graph, node: Node, out: Node, existing: set[Node]) -> None:
+    """``node`` replaced by ``out``, the nodes added since ``existing`` adopted into its layer."""
+    _adopt(graph, existing, node)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def _collective(graph, op, *args) -> Node:

@@ -307,6 +307,11 @@ class Runtime:
         arguments; e.g. an ``fx.Interpreter`` that annotates nodes for a profiler), eagerly,
         instead of the program or its CUDA graph."""
         self.table.check_step(seq_ids, tokens)
+        return self._step(seq_ids, tokens, module)
+
+    @torch.no_grad()
+    def _step(self, seq_ids: list[int], tokens: list[list[int]], module: Callable[..., Tensor] | None = None) -> Tensor:
+        """:meth:`step` of a request already checked (``SequenceTable.check_step``)."""
         counts = [len(t) for t in tokens]
         for s, n in zip(seq_ids, counts):
             if self.table.sequences[s].length + n > self.options.max_context:
@@ -361,7 +366,8 @@ class Runtime:
         try:
             for start in range(0, longest, chunk):
                 active = [i for i, p in enumerate(prompts) if len(p) > start]
-                logits = self.step([ids[i] for i in active], [prompts[i][start:start + chunk] for i in active])
+                # new sequences with checked prompts (check_new): no second token check
+                logits = self._step([ids[i] for i in active], [prompts[i][start:start + chunk] for i in active])
                 for row, i in enumerate(active):
                     if len(prompts[i]) <= start + chunk:
                         last[i] = logits[row]

@@ -29,20 +29,15 @@ def k3_rank(batch: int, context: int, dcp: int = 1) -> StepShapes:
     return StepShapes.of_model(PRESETS["k3"], 8, dcp, batch, context, torch.bfloat16)
 
 
-def _key(target: str, launch) -> tuple:
-    return (target, launch.name, tuple(sorted((k, str(v)) for k, v in launch.constexprs.items())),
-            launch.num_warps, launch.num_stages)
-
-
 def aot_requests() -> dict[tuple, aot.CompileRequest]:
     """Every distinct launch the report plans on the AMD targets for STEPS."""
-    return {_key(t, p.launch): p.launch.request(t) for t in AMD for b, c in STEPS
+    return {(t, p.launch.key): p.launch.request(t) for t in AMD for b, c in STEPS
             for p in planned_launches(t, k3_rank(b, c))}
 
 
 def rows(aot_reports: dict, target: str, shapes: StepShapes) -> dict[str, LaunchRow]:
     units = aot.TARGETS[target].compute_units
-    return {p.name: LaunchRow(p, aot_reports[_key(target, p.launch)], units) for p in planned_launches(target, shapes)}
+    return {p.name: LaunchRow(p, aot_reports[(target, p.launch.key)], units) for p in planned_launches(target, shapes)}
 
 
 def test_k3_shapes_of_a_tp8_rank():

@@ -58,12 +58,9 @@ def markdown_report() -> str:
         seen: set[tuple] = set()
         for step in steps:
             for r in reports[step]:
-                launch = r.planned.launch
-                key = (launch.name, tuple(sorted((k, str(v)) for k, v in launch.constexprs.items())),
-                       launch.num_warps, launch.num_stages)
-                if key in seen:  # a name can cover several specialisations (split counts, hints)
+                if r.planned.launch.key in seen:  # a name can cover several specialisations (split counts, hints)
                     continue
-                seen.add(key)
+                seen.add(r.planned.launch.key)
                 res = r.resources
                 lines.append(f"| {r.planned.launch.name} | {r.planned.plan} | {res.shared_bytes / 1024:.0f} | "
                              f"{res.registers} | {res.spills} | {r.resident} |")

@@ -219,6 +219,13 @@ class KernelLaunch:
         return CompileRequest(self.fn, self.signature, self.constexprs, target, self.num_warps, self.num_stages,
                               self.divisible_by_16, self.pointers_over_2gib, self.max_registers)
 
+    @property
+    def key(self) -> tuple:
+        """What tells two specialisations apart (hashable): equal keys compile alike."""
+        return (self.name, tuple(sorted((k, str(v)) for k, v in self.signature.items())),
+                tuple(sorted((k, str(v)) for k, v in self.constexprs.items())), self.num_warps, self.num_stages,
+                self.divisible_by_16, self.pointers_over_2gib, self.max_registers)
+
 
 def compile_for_target(
     fn,
