@@ -479,20 +479,10 @@ def test_dcp_pack_and_merge_triton_kernels_match_the_references():
 def aot_requests() -> dict[tuple[str, str], object]:
     """k3::dcp_rescale, dcp_pack and dcp_merge at K3 DCP8 shapes (bf16 o, 512 values) for
     every GPU target; compiled in the session's one batch (conftest's aot_reports)."""
-    from k3compile.runtime.kernels import aot
-    from k3compile.runtime.kernels.dcp_merge import _dcp_merge_kernel, _dcp_pack_kernel, _dcp_rescale_kernel
+    from k3compile.runtime.kernels.dcp_merge import aot_launches
 
-    rescale = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "lse_all_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32",
-               "H": "i32", "D": "i32", "DCP": "constexpr", "BLOCK_D": "constexpr"}
-    pack = {"o_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "H": "i32", "D": "i32",
-            "DCP": "constexpr", "BLOCK_D": "constexpr"}
-    merge = {"rows_ptr": "*fp32", "out_ptr": "*bf16", "B": "i32", "h": "i32", "D": "i32", "DCP": "constexpr",
-             "BLOCK_D": "constexpr"}
-    constexprs = {"DCP": 8, "BLOCK_D": 512}
-    kernels = {"rescale": (_dcp_rescale_kernel, rescale), "pack": (_dcp_pack_kernel, pack),
-               "merge": (_dcp_merge_kernel, merge)}
-    return {(name, t): aot.CompileRequest(kernel, sig, constexprs, t)
-            for t in ("gfx950", "gfx942", "sm_90") for name, (kernel, sig) in kernels.items()}
+    return {(name, t): launch.request(t) for t in ("gfx950", "gfx942", "sm_90")
+            for name, launch in aot_launches(8).items()}
 
 
 def test_dcp_merge_kernels_compile_for_every_gpu_target(aot_reports):

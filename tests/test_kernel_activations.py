@@ -53,10 +53,7 @@ def test_bad_arguments_are_named():
 
 def aot_requests() -> dict[tuple, aot.CompileRequest]:
     """The kernel for every target, bf16 (compiled in the session's one batch: conftest's aot_reports)."""
-    sig = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", "width": "i32", "gate_stride": "i32",
-           "up_stride": "i32", "beta": "fp32", "linear_beta": "fp32", "BLOCK": "constexpr"}
-    return {t: aot.CompileRequest(activations._situ_and_mul_kernel, sig, {"BLOCK": activations.BLOCK}, t)
-            for t in TARGETS}
+    return {t: activations.aot_launch().request(t) for t in TARGETS}
 
 
 def test_compiles_for_every_target_without_spills(aot_reports):

@@ -103,9 +103,9 @@ def jit_specialisation(launch: aot.KernelLaunch, target: str) -> tuple[dict, dic
     """(signature, attributes) that Triton's JIT derives for ``launch`` on ``target`` from
     arguments of the sizes the launch declares (its own binder and argument packing, which
     run without a GPU): aligned tensors, of 3 GiB (meta) for ``pointers_over_2gib`` and of
-    a few KiB otherwise; integers multiples of 16 where ``divisible_by_16`` says so, else
-    17 (never 1, which the JIT would make a constant: the launches' declarations do not
-    cover that case)."""
+    a few KiB otherwise (a tuple of them for a list argument); integers multiples of 16
+    where ``divisible_by_16`` says so, else 17; the constants a launch declares (among them
+    integers equal to 1, which the JIT makes constants: ``aot.specialised``) as they are."""
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -119,6 +119,8 @@ def jit_specialisation(launch: aot.KernelLaunch, target: str) -> tuple[dict, dic
         ty = launch.signature[name]
         if ty == "constexpr":
             args.append(launch.constexprs[name])
+        elif isinstance(ty, tuple):
+            args.append(tuple(torch.empty(1024, dtype=_ELEMENT_DTYPES[t[1:]]) for t in ty))
         elif ty.startswith("*"):
             dtype = _ELEMENT_DTYPES[ty[1:]]
             big = name in launch.pointers_over_2gib

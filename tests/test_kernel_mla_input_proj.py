@@ -105,7 +105,7 @@ def test_registered_for_cuda():
 
 def aot_requests() -> dict[str, aot.CompileRequest]:
     """The kernel at K3's widths in bf16 for every target (the session's one batch: conftest's aot_reports)."""
-    return {t: mla_input_proj.aot_request(t) for t in TARGETS}
+    return {t: mla_input_proj.aot_launch().request(t) for t in TARGETS}
 
 
 def test_compiles_for_every_target_without_spills(aot_reports):

@@ -96,7 +96,7 @@ def test_registered_for_cuda():
 
 
 def aot_requests() -> dict:
-    return {t: moe_input.aot_request(t) for t in TARGETS}
+    return {t: moe_input.aot_launch().request(t) for t in TARGETS}
 
 
 def test_compiles_for_every_target_without_spills(aot_reports):

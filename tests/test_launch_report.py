@@ -19,7 +19,12 @@ import triton  # noqa: E402
 
 from k3compile.config import PRESETS  # noqa: E402
 from k3compile.runtime.kernels import aot, mla_split_kv  # noqa: E402
-from k3compile.runtime.kernels.launch_report import LaunchRow, StepShapes, planned_launches  # noqa: E402
+from k3compile.runtime.kernels.launch_report import (  # noqa: E402
+    LaunchRow,
+    StepShapes,
+    planned_launches,
+    reference_fallbacks,
+)
 
 AMD = ("gfx950", "gfx942")
 STEPS = [(b, t) for b in (1, 16, 64) for t in (1024, 32768, 131072)]
@@ -117,3 +122,106 @@ def test_prefill_under_dcp_by_the_pass_option():
     assert "mla prefill (expanded)" not in partial
     with pytest.raises(ValueError, match="dcp_prefill"):
         StepShapes.of_model(PRESETS["k3"], 8, 8, 1, 4096, torch.bfloat16, dcp_prefill="absorbed")
+
+
+def launch_ints(kernel, run) -> list[dict[str, int]]:
+    """The integer arguments of every launch of ``kernel`` while ``run()`` runs (a pre-run
+    hook on the real kernel, under the interpreter here)."""
+    calls = []
+
+    def record(*args, **kwargs):
+        named = {**dict(zip(kernel.arg_names, args)), **kwargs}
+        calls.append({n: v for n, v in named.items() if type(v) is int and kernel.arg_names.index(n) < len(args)})
+
+    kernel.add_pre_run_hook(record)
+    try:
+        run()
+    finally:
+        kernel.pre_run_hooks.remove(record)
+    return calls
+
+
+def jit_classes(launch: aot.KernelLaunch, names) -> dict[str, str]:
+    """How ``launch`` declares each integer argument: a constant 1, divisible by 16, or plain."""
+    return {n: "one" if launch.signature[n] == "constexpr" and launch.constexprs[n] == 1
+            else "div" if n in launch.divisible_by_16 else "plain" for n in names}
+
+
+def value_classes(kernel, ints: dict[str, int]) -> dict[str, str]:
+    """How Triton's JIT specialises these values (its do_not_specialize arguments plain)."""
+    plain = aot._not_specialised(kernel)
+    return {n: "plain" if n in plain else "one" if v == 1 else "div" if v % 16 == 0 else "plain"
+            for n, v in ints.items()}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_report_integers_are_what_the_launchers_pass(batch):
+    """The report declares every integer argument of the split-KV kernel, its combine and
+    the DCP merge kernels as the runtime's launchers pass them: captured from real launches
+    (the interpreter), classed by Triton's JIT rule (a constant 1, divisible by 16, plain).
+    The split-KV kernel writes its LSE partials with stride 1 (a constant to the JIT) and
+    the DCP kernels take the batch, a constant at batch 1."""
+    from mla_cases import case
+
+    from k3compile.runtime.kernels import dcp_merge as dm
+    from k3compile.runtime.kernels import mla_split_kv as sk
+
+    context, block = 80, 16
+    config = sk.split_kv_config("gfx950", 16)
+    q, cache, table, seq_lens, scale = case(16, 512, 64, [context] * batch, block_size=block, seed=batch)
+    split = launch_ints(sk._mla_decode_split_kv_kernel, lambda: launch_ints(
+        sk._combine_splits_kernel, lambda: sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 512,
+                                                                 num_sms=256, config=config)))
+    shapes = StepShapes(batch, context, mla_heads=16, block_size=block, dcp=2, mla_prefill_heads=8)
+    planned = {p.name: p.launch for p in planned_launches("gfx950", replace_dcp1(shapes))}
+    (kernel_ints,) = split
+    assert value_classes(sk._mla_decode_split_kv_kernel, kernel_ints) == jit_classes(
+        planned["mla decode split-KV"], kernel_ints)
+    assert jit_classes(planned["mla decode split-KV"], ["stride_ls"]) == {"stride_ls": "one"}
+    o = torch.randn(batch, 16, 512).bfloat16()
+    lse = torch.randn(batch, 16)
+    (pack,) = launch_ints(dm._dcp_pack_kernel, lambda: dm.dcp_pack(o, lse, 2))
+    (merge,) = launch_ints(dm._dcp_merge_kernel, lambda: dm.dcp_merge(dm.dcp_pack(o, lse, 2), torch.bfloat16))
+    decode = {p.name: p.launch for p in planned_launches("gfx950", shapes) if p.phase == "decode"}
+    assert value_classes(dm._dcp_pack_kernel, pack) == jit_classes(decode["dcp pack"], pack)
+    assert value_classes(dm._dcp_merge_kernel, merge) == jit_classes(decode["dcp merge"], merge)
+    assert (jit_classes(decode["dcp pack"], ["B"]) == {"B": "one"}) == (batch == 1)
+
+
+def replace_dcp1(shapes: StepShapes) -> StepShapes:
+    """``shapes`` without DCP: the split-KV kernel over the whole context."""
+    import dataclasses
+
+    return dataclasses.replace(shapes, dcp=1)
+
+
+def test_every_triton_kernel_of_a_step_is_listed():
+    """The per-token kernels are in the report with a program per token (and column block):
+    at batch 16, 16 AttnRes mixes and routings; FP8 cache writes only with an FP8 cache; the
+    DCP merge kernels only under DCP, by the merge option; a 32K prompt's short convolution
+    in 16-token chunks over 1536 channels."""
+    decode = {p.name: p for p in planned_launches("gfx950", k3_rank(16, 1024)) if p.phase == "decode"}
+    assert decode["attn_res mix + norm"].programs == 16 and decode["moe input: routing"].programs == 16
+    assert decode["attn_res mix + norm"].launch.constexprs["N"] == 9  # 8 finished blocks and the partial sum
+    assert decode["mla input norms and gate"].programs == 16 * (2 + 1536 // 1024 + 1)
+    assert "mla FP8 cache write" not in decode and "dcp pack" not in decode
+    fp8 = StepShapes.of_model(PRESETS["k3"], 8, 8, 1, 1024, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    names = {p.name for p in planned_launches("gfx950", fp8) if p.phase == "decode"}
+    assert {"mla FP8 cache write", "dcp pack", "dcp merge"} <= names
+    rescale = StepShapes.of_model(PRESETS["k3"], 8, 8, 1, 1024, torch.bfloat16, dcp_merge="reduce-scatter")
+    names = {p.name for p in planned_launches("gfx950", rescale) if p.phase == "decode"}
+    assert "dcp rescale" in names and "dcp pack" not in names
+    prefill = {p.name: p for p in planned_launches("gfx950", k3_rank(1, 32768)) if p.phase == "prefill"}
+    assert prefill["kda short conv"].programs == 32768 // 16 * 1536 // 128
+
+
+def test_reference_fallbacks_name_what_runs_the_reference():
+    """At K3's shapes every op has its kernel; 24 heads are no split-KV head count (the
+    generic kernel), a head dim of 96 no KDA prefill kernel's: those launches are left out."""
+    assert reference_fallbacks(k3_rank(1, 1024)) == []
+    odd = StepShapes(1, 1024, mla_heads=24, kda_head_dim=96)
+    got = reference_fallbacks(odd)
+    assert any(f.startswith("mla decode: the generic kernel (24 heads") for f in got)
+    assert any(f.startswith("kda prefill: the reference (head dim 96") for f in got)
+    names = {p.name for p in planned_launches("gfx950", odd)}
+    assert "mla decode split-KV" not in names and "kda prefill preparation" not in names

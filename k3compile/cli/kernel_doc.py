@@ -32,7 +32,8 @@ def markdown_report() -> str:
     from k3compile.runtime.kernels.launch_report import StepShapes, launch_reports
 
     steps = [(b, c) for b in DOC_BATCHES for c in DOC_CONTEXTS]
-    cases = [(TARGETS[name].arch, StepShapes.of_model(PRESETS["k3"], 8, 1, *step, torch.bfloat16))
+    cases = [(TARGETS[name].arch, StepShapes.of_model(PRESETS["k3"], 8, 1, *step, torch.bfloat16,
+                                                      block_size=TARGETS[name].mla_block_size))
              for name in DOC_TARGETS for step in steps]
     all_rows = iter(launch_reports(cases))
     lines = [DOC_BEGIN, ""]

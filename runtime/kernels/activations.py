@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.runtime.kernels import counted
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 from k3compile.runtime.weight_layout import column_blocks, consecutive_rows
 
 BLOCK = 1024  # columns per program
@@ -103,3 +104,12 @@ def register_kernels(device_type: str) -> None:
 
     activations.situ_and_mul.register_kernel(device_type)(situ_and_mul)
     activations.situ_and_mul_proj.register_kernel(device_type)(situ_and_mul_proj)
+
+
+def aot_launch(dtype: torch.dtype = torch.bfloat16) -> KernelLaunch:
+    """The kernel as :func:`situ_and_mul` launches it on ``dtype`` rows, for AOT checks."""
+    t = TRITON_DTYPES[dtype]
+    types = {"gate_ptr": f"*{t}", "up_ptr": f"*{t}", "out_ptr": f"*{t}", "beta": "fp32", "linear_beta": "fp32"}
+    constexprs = {"BLOCK": BLOCK}
+    return KernelLaunch("situ_and_mul", _situ_and_mul_kernel, launch_signature(_situ_and_mul_kernel, types, constexprs),
+                        constexprs, 4)

@@ -30,7 +30,7 @@ targets also ``tt.pointer_range=32`` (buffer loads and stores with 32-bit offset
 every pointer whose storage is under 2 GiB (at most 2^31 - 1 bytes), that is all but
 ``pointers_over_2gib`` (ROCm's JIT does so by default, ``knobs.amd.use_buffer_ops``; the
 reports assume that default). Integers equal to 1, which the JIT makes constants, are
-not modelled.
+constants of the launch: :func:`specialised` derives both from a launch's integer values.
 
 In a process where TRITON_INTERPRET was set before Triton was imported (CPU test runs)
 nothing can be compiled in-process, so :func:`compile_many` (and compile_for_target)
@@ -49,7 +49,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -225,6 +225,29 @@ class KernelLaunch:
         return (self.name, tuple(sorted((k, str(v)) for k, v in self.signature.items())),
                 tuple(sorted((k, str(v)) for k, v in self.constexprs.items())), self.num_warps, self.num_stages,
                 self.divisible_by_16, self.pointers_over_2gib, self.max_registers)
+
+
+def _not_specialised(fn) -> set[str]:
+    """The arguments ``fn`` was declared with ``do_not_specialize`` (a JIT function's or,
+    under TRITON_INTERPRET, the interpreter wrapper's options)."""
+    names = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    return {fn.arg_names[n] if isinstance(n, int) else n for n in names}
+
+
+def specialised(launch: KernelLaunch, **ints: int) -> KernelLaunch:
+    """``launch`` with its integer arguments specialised as Triton's JIT specialises them
+    for these values: 1 becomes a constant, a multiple of 16 is marked divisible (the
+    kernel's ``do_not_specialize`` arguments stay plain). Every integer argument of the
+    signature must be given, so that none is compiled otherwise than the launch runs it."""
+    given = set(ints)
+    wanted = {a for a, t in launch.signature.items() if t in ("i32", "i64")}
+    if given != wanted:
+        raise ValueError(f"{launch.name}: integer arguments {sorted(wanted)}, values given for {sorted(given)}")
+    plain = _not_specialised(launch.fn)
+    ones = {a for a, v in ints.items() if v == 1 and a not in plain}
+    divisible = tuple(a for a, v in ints.items() if v % 16 == 0 and a not in plain)
+    return replace(launch, signature={a: "constexpr" if a in ones else t for a, t in launch.signature.items()},
+                   constexprs={**launch.constexprs, **{a: 1 for a in ones}}, divisible_by_16=divisible)
 
 
 def compile_for_target(

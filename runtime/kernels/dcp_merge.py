@@ -25,6 +25,7 @@ from torch import Tensor
 
 from k3compile.ops import dcp as dcp_ops
 from k3compile.runtime.kernels import counted
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 
 
 @counted
@@ -135,3 +136,16 @@ def register_kernels(device_type: str) -> None:
     dcp_ops.dcp_rescale.register_kernel(device_type)(dcp_rescale)
     dcp_ops.dcp_pack.register_kernel(device_type)(dcp_pack)
     dcp_ops.dcp_merge.register_kernel(device_type)(dcp_merge)
+
+
+def aot_launches(dcp: int, value_dim: int = 512, dtype: torch.dtype = torch.bfloat16) -> dict[str, KernelLaunch]:
+    """The three kernels as their launchers specialise them for a DCP group of ``dcp``
+    members, attention outputs of ``value_dim`` values in ``dtype``, for AOT checks."""
+    t = TRITON_DTYPES[dtype]
+    constexprs = {"DCP": dcp, "BLOCK_D": triton.next_power_of_2(value_dim)}
+    kernels = {"rescale": (_dcp_rescale_kernel, {"o_ptr": f"*{t}", "lse_ptr": "*fp32", "lse_all_ptr": "*fp32",
+                                                 "out_ptr": "*fp32"}),
+               "pack": (_dcp_pack_kernel, {"o_ptr": f"*{t}", "lse_ptr": "*fp32", "out_ptr": "*fp32"}),
+               "merge": (_dcp_merge_kernel, {"rows_ptr": "*fp32", "out_ptr": f"*{t}"})}
+    return {name: KernelLaunch(f"dcp_{name}", fn, launch_signature(fn, types, constexprs), constexprs, 4)
+            for name, (fn, types) in kernels.items()}

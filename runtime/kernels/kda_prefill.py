@@ -319,13 +319,16 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float32 else dtype
 
 
+def kernel_takes_dims(D: int, DV: int, chunk: int = CHUNK) -> bool:
+    """Whether the kernels take head dims ``D`` / ``DV`` and ``chunk``: powers of two >= 16."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (D, DV, chunk))
+
+
 def kernel_takes(q: Tensor, v: Tensor, state: Tensor, chunk: int = CHUNK) -> bool:
-    """Whether the kernels take these shapes (else the reference runs): head dims and the
-    chunk powers of two >= 16, DV a multiple of the scan's value tile, an fp32 contiguous
-    state (it is updated in place)."""
-    D, DV = q.shape[-1], v.shape[-1]
-    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (D, DV, chunk))
-    return pow2 and state.dtype == torch.float32 and state.is_contiguous()
+    """Whether the kernels take these shapes (else the reference runs): :func:`kernel_takes_dims`
+    and an fp32 contiguous state (it is updated in place)."""
+    return (kernel_takes_dims(q.shape[-1], v.shape[-1], chunk) and state.dtype == torch.float32
+            and state.is_contiguous())
 
 
 def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,

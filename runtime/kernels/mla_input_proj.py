@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.runtime.kernels import counted
-from k3compile.runtime.kernels.aot import TRITON_DTYPES, CompileRequest, launch_signature
+from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
 from k3compile.runtime.kernels.rows import rms_norm_row
 from k3compile.runtime.weight_layout import column_blocks, consecutive_rows
 
@@ -116,16 +116,15 @@ def mla_input_proj(x: Tensor, q_a_weight: Tensor, kv_a_weight: Tensor, g_weight:
     return mla_input_consumers(q, c, g, q_norm_weight, kv_norm_weight, q_eps, kv_eps, kv_lora_rank)
 
 
-def aot_request(target: str, dtype: torch.dtype = torch.bfloat16, Q: int = 1536, L: int = 512,
-                R: int = 64) -> CompileRequest:
+def aot_launch(dtype: torch.dtype = torch.bfloat16, Q: int = 1536, L: int = 512, R: int = 64) -> KernelLaunch:
     """The kernel as the launcher specialises it for K3's widths (q_lora_rank 1536,
-    kv_lora_rank 512, rope 64) in ``dtype``, for AOT checks on ``target``."""
+    kv_lora_rank 512, rope 64) in ``dtype``, for AOT checks."""
     t = TRITON_DTYPES[dtype]
     types = {a: f"*{t}" for a in _mla_input_proj_kernel.arg_names if a.endswith("_ptr")}
     types.update(q_eps="fp32", kv_eps="fp32")
     constexprs = _constexprs(Q, L, R)
-    return CompileRequest(_mla_input_proj_kernel, launch_signature(_mla_input_proj_kernel, types, constexprs),
-                          constexprs, target)
+    return KernelLaunch("mla_input_proj", _mla_input_proj_kernel,
+                        launch_signature(_mla_input_proj_kernel, types, constexprs), constexprs, 4)
 
 
 def register_kernels(device_type: str) -> None:

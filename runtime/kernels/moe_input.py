@@ -29,7 +29,7 @@ from triton.runtime.jit import JITFunction
 
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.activations import situ_glu
-from k3compile.runtime.kernels.aot import CompileRequest, launch_signature
+from k3compile.runtime.kernels.aot import KernelLaunch, launch_signature
 from k3compile.runtime.kernels.routing import sigmoid_topk_route
 from k3compile.runtime.weight_layout import consecutive_rows
 
@@ -121,12 +121,12 @@ def moe_input_proj(x: Tensor, router_weight: Tensor, correction_bias: Tensor, do
                                linear_beta, x.dtype)
 
 
-def aot_request(target: str) -> CompileRequest:
-    """The kernel as the launcher specialises it (bf16 outputs), for AOT checks on ``target``."""
+def aot_launch() -> KernelLaunch:
+    """The kernel as the launcher specialises it (bf16 outputs), for AOT checks."""
     types = {"prod_ptr": "*fp32", "z_ptr": "*bf16", "h_ptr": "*bf16", "beta": "fp32", "linear_beta": "fp32"}
     constexprs = {"BLOCK": BLOCK, "ROUND_BY_HAND": False}
-    return CompileRequest(_moe_input_kernel, launch_signature(_moe_input_kernel, types, constexprs), constexprs,
-                          target)
+    return KernelLaunch("moe_input", _moe_input_kernel, launch_signature(_moe_input_kernel, types, constexprs),
+                        constexprs, 4)
 
 
 def register_kernels(device_type: str) -> None:
