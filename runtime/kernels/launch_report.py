@@ -337,7 +337,8 @@ def _mla_prefill(target: str, s: StepShapes) -> list[PlannedLaunch]:
                      "kv_ptr": T * H * nope_value * act, "pe_ptr": T * s.mla_rope * act})
     # q [T, H, nope + rope]; the decompressed keys / values [P, H, nope + value]; k_pe rows of the gathered cache
     launch = aot.specialised(launch, stride_qt=H * nope_rope, stride_qh=nope_rope, stride_kvp=H * nope_value,
-                             stride_kvh=nope_value, stride_pep=s.mla_rope, stride_ot=H * s.mla_value, stride_oh=s.mla_value)
+                             stride_kvh=nope_value, stride_pep=s.mla_rope, stride_ot=H * s.mla_value,
+                             stride_oh=s.mla_value)
     return [PlannedLaunch("prefill", "mla prefill (expanded)", launch, programs,
                           f"{config.block_m} tokens x {config.block_n} positions a step")]
 
@@ -414,7 +415,8 @@ def reference_fallbacks(shapes: StepShapes) -> list[str]:
     qk, latent = s.mla_latent + s.mla_rope, s.mla_latent
     out = []
     if not split_kv.SPLIT_KV.accepts(s.mla_heads, s.dtype, qk, latent):
-        kernel = "the generic kernel" if attention.GENERIC.accepts(s.mla_heads, s.dtype, qk, latent) else "the reference"
+        generic = attention.GENERIC.accepts(s.mla_heads, s.dtype, qk, latent)
+        kernel = "the generic kernel" if generic else "the reference"
         out.append(f"mla decode: {kernel} ({s.mla_heads} heads, {qk} / {latent} wide, {s.dtype} are not the "
                    f"split-KV kernel's)")
     heads = s.mla_prefill_heads * (s.dcp if s.dcp > 1 and s.dcp_prefill == "partial" else 1)
