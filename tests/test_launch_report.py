@@ -7,6 +7,7 @@ program resident per CU and the split-KV kernel at the occupancy its plan assume
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -173,7 +174,7 @@ def test_report_integers_are_what_the_launchers_pass(batch):
         sk._combine_splits_kernel, lambda: sk.mla_decode_split_kv(q, cache, table, seq_lens, scale, 512,
                                                                  num_sms=256, config=config)))
     shapes = StepShapes(batch, context, mla_heads=16, block_size=block, dcp=2, mla_prefill_heads=8)
-    planned = {p.name: p.launch for p in planned_launches("gfx950", replace_dcp1(shapes))}
+    planned = {p.name: p.launch for p in planned_launches("gfx950", dataclasses.replace(shapes, dcp=1))}
     (kernel_ints,) = split
     assert value_classes(sk._mla_decode_split_kv_kernel, kernel_ints) == jit_classes(
         planned["mla decode split-KV"], kernel_ints)
@@ -186,13 +187,6 @@ def test_report_integers_are_what_the_launchers_pass(batch):
     assert value_classes(dm._dcp_pack_kernel, pack) == jit_classes(decode["dcp pack"], pack)
     assert value_classes(dm._dcp_merge_kernel, merge) == jit_classes(decode["dcp merge"], merge)
     assert (jit_classes(decode["dcp pack"], ["B"]) == {"B": "one"}) == (batch == 1)
-
-
-def replace_dcp1(shapes: StepShapes) -> StepShapes:
-    """``shapes`` without DCP: the split-KV kernel over the whole context."""
-    import dataclasses
-
-    return dataclasses.replace(shapes, dcp=1)
 
 
 def test_every_triton_kernel_of_a_step_is_listed():
