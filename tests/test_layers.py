@@ -43,7 +43,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "compiler": ("k3compile.capture", "k3compile.stamping", "k3compile.artifact_writer", "k3compile.pipeline",
                  "k3compile.records", "k3compile.passes",
                  "k3compile.validation", "k3compile.compiler", "k3compile.memory",
-                 "k3compile.kernel_tables", "k3compile.bench"),
+                 "k3compile.kernel_tables", "k3compile.bench", "k3compile.export"),
     "cli": ("k3compile.cli", "k3compile.__main__"),
 }
 MAY_IMPORT: dict[str, set[str]] = {

@@ -10,6 +10,7 @@ Commands (run ``k3compile COMMAND --help`` for the options of each):
 * ``inspect``: verify an artifact and show how it was made and what each pass did.
 * ``run``: load an artifact with the runtime and generate tokens (``torchrun`` for tp > 1).
 * ``bench``: time an artifact's decode steps and prefills against the floor of their bytes.
+* ``export``: one rank's decode program as an ONNX model, its k3 ops decomposed.
 
 The flow from a model to generated tokens::
 
@@ -23,7 +24,7 @@ directory, a token id outside the vocabulary, an unknown pass, a tampered artifa
 print one line on stderr and exit with status 2; no traceback.
 
 One module per command group (:mod:`~k3compile.cli.model`, :mod:`~k3compile.cli.compile`,
-:mod:`~k3compile.cli.artifact`, :mod:`~k3compile.cli.bench`), on the app, consoles and errors of :mod:`~k3compile.cli.app`,
+:mod:`~k3compile.cli.artifact`, :mod:`~k3compile.cli.bench`, :mod:`~k3compile.cli.export`), on the app, consoles and errors of :mod:`~k3compile.cli.app`,
 the option readers of :mod:`~k3compile.cli.options` and the output of
 :mod:`~k3compile.cli.render`. The commands import torch and the library when they run,
 never at import: ``k3compile --help`` answers at once.
@@ -34,6 +35,7 @@ from k3compile.cli import model  # noqa: F401,I001  (init-model, presets, genera
 from k3compile.cli import compile  # noqa: F401,I001  (optimize, plan)
 from k3compile.cli import artifact  # noqa: F401,I001  (inspect, run)
 from k3compile.cli import bench  # noqa: F401,I001  (bench)
+from k3compile.cli import export  # noqa: F401,I001  (export)
 from k3compile.cli.app import USAGE_ERROR, UserError, app
 from k3compile.cli.options import parse_size
 

@@ -1,0 +1,59 @@
+"""``export``: one rank's optimized program in another toolchain's format
+(:mod:`k3compile.export`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k3compile.cli.app import UserError, app, console, fail
+from k3compile.cli.artifact import ArtifactArgument
+from k3compile.cli.options import choice
+
+#: the formats ``export`` writes
+FORMATS = ("onnx",)
+
+
+@app.command("export")
+def export_command(
+    out: ArtifactArgument,
+    output: Annotated[Path, typer.Option("-o", "--output", help="The file to write. Example: -o tiny_decode.onnx",
+                                         show_default=False)],
+    format: Annotated[str, typer.Option("--format", help="onnx. Example: --format onnx")] = "onnx",
+    phase: Annotated[str, typer.Option(help="The program to export: decode (prefill: not yet). Example: --phase decode")]
+    = "decode",
+    rank: Annotated[int, typer.Option(help="Whose program and weights (a TP1 artifact has rank 0). Example: --rank 0")]
+    = 0,
+    max_sequences: Annotated[int, typer.Option(help="Sequences the exported cache inputs hold. Example: --max-sequences 8")]
+    = 4,
+    max_context: Annotated[int, typer.Option(help="Tokens a sequence the cache inputs hold. Example: --max-context 1024")]
+    = 256,
+    external_data: Annotated[bool, typer.Option("--external-data/--embedded-weights",
+                                                help="Weights in a FILE.data beside the model (ONNX external data), or "
+                                                     "inside it (at most 2 GB).")] = False,
+) -> None:
+    """Export an artifact's decode program, its k3 ops decomposed into standard operators.
+
+    ONNX: the model's inputs are the runtime's decode-step tensors and every cache; its outputs the logits and every cache after the step (named CACHE.next; the metadata key k3compile.cache_outputs maps each to its input), so a caller feeds them back in. The batch and the block table's width are dynamic. Checked with onnx.checker (full check) before it is written. Collectives have no ONNX form: TP > 1 artifacts are refused. docs/export.md has a worked example.
+
+    Example: k3compile export ./tiny.k3c --format onnx -o tiny_decode.onnx
+    """
+    from k3compile.artifact import ArtifactError
+    from k3compile.export import ExportOptions, export_onnx
+
+    try:
+        choice(format, FORMATS, "--format", "format")
+        if max_sequences < 2 or max_context < 2:
+            raise UserError(f"--max-sequences and --max-context: at least 2, got {max_sequences} and {max_context}")
+        options = ExportOptions(phase=choice(phase, ("decode", "prefill"), "--phase", "phase"), rank=rank,
+                                max_sequences=max_sequences, max_context=max_context, external_data=external_data)
+        with console.status(f"exporting the {phase} program of rank {rank}"):
+            result = export_onnx(out, output, options)
+    except (UserError, ArtifactError, ValueError) as e:
+        fail(str(e))
+    caches = len(result.cache_outputs)
+    console.print(f"wrote {result.path} ({result.file_bytes / 2**20:.1f} MiB with its data) in {result.seconds:.1f} s: "
+                  f"{len(result.inputs) - caches} step inputs and {caches} caches in, the logits and {caches} caches "
+                  "out", soft_wrap=True)

@@ -1,0 +1,142 @@
+"""ONNX export of an artifact's decode program (k3compile/export, issue #25): the model
+passes onnx's full check, and ONNX Runtime on the CPU computes what the runtime computes,
+step after step with the caches it returns fed back in."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from k3compile.export import ExportOptions, export_onnx
+from k3compile.export.decompositions import decode_mxfp4, k3_op_definitions, sigmoid_topk_route
+from k3compile.export.onnx_export import STEP_INPUTS
+from k3compile.runtime.engine import Runtime, RuntimeOptions
+
+OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 64 tokens
+# (preset, experts, compile options): the CPU pipeline, and the h200 pipeline whose fused
+# ops (KDA decode with its projections, MLA input projection, padded heads, AttnRes mix
+# and norm) the CPU runs as their references
+CASES = [("tiny", "mxfp4", {}), ("tiny-h24", "mxfp4", {"target": "h200"}), ("tiny-linear", "bf16", {})]
+
+
+def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
+    want = want.float().numpy()
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def exported(request, compile_once, tmp_path_factory):
+    preset, experts, options = request.param
+    artifact = compile_once(preset, experts, dtype="float32", validate=False, **options).out_dir
+    out = tmp_path_factory.mktemp("onnx") / f"{preset}.onnx"
+    return artifact, export_onnx(artifact, out, OPTIONS)
+
+
+def test_the_model_passes_the_full_check_and_names_its_cache_outputs(exported):
+    _, result = exported
+    model = onnx.load(str(result.path))
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input][:len(STEP_INPUTS)] == list(STEP_INPUTS)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(meta["k3compile.cache_outputs"]) == result.cache_outputs
+    caches = [n for n in result.inputs if n.startswith("cache.")]
+    assert [o.name for o in model.graph.output] == ["logits", *(f"{n}.next" for n in caches)]
+    assert result.file_bytes == result.path.stat().st_size > 0
+
+
+def test_onnx_runtime_steps_equal_the_runtime_with_caches_fed_back(exported):
+    """Three prompts prefilled by the runtime, then five greedy decode steps: each step's
+    logits and every updated cache from ONNX Runtime equal the runtime's (its program on
+    its own caches) within 1e-5 relative; ONNX Runtime's caches come from its previous
+    step, so the round trip of every cache is exercised."""
+    artifact, result = exported
+    from k3compile.artifact import load_artifact
+
+    rt = Runtime(load_artifact(artifact), 0, torch.device("cpu"),
+                 RuntimeOptions(max_sequences=OPTIONS.max_sequences, max_context=OPTIONS.max_context,
+                                cuda_graphs=False, lowering="eager"))
+    ids, logits = rt.prefill([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42, 7], [3]])
+    session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    caches = {n: t.numpy().copy() for n, t in zip(names[len(STEP_INPUTS):], rt.cache_tensors, strict=True)}
+    tokens = logits.argmax(-1).tolist()
+    for _ in range(5):
+        rt.table.reserve(ids, [1] * len(ids))
+        batch = rt.table.make_batch(ids, [1] * len(ids), True, device=rt.device)
+        step = (torch.tensor(tokens), batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
+                batch.slot_mapping, batch.logit_indices)
+        want = rt._run("decode", step[0], batch)
+        rt.table.advance(ids, [1] * len(ids))
+        outputs = session.run(None, {**{n: t.numpy() for n, t in zip(STEP_INPUTS, step)}, **caches})
+        assert relative_error(outputs[0], want) < 1e-5
+        for (name, got), cache in zip(zip(result.outputs[1:], outputs[1:]), rt.cache_tensors, strict=True):
+            assert relative_error(got, cache) < 1e-5 or np.abs(got - cache.numpy()).max() == 0, name
+            caches[result.cache_outputs[name]] = got
+        tokens = want.argmax(-1).tolist()
+
+
+def test_decompositions_equal_the_references(tmp_path):
+    """The forms that replace non-traceable references: routing as ONNX Runtime runs it
+    (ONNX TopK breaks ties by the lower index, as the reference's stable sort; torch's CPU
+    topk does not promise that) and MXFP4 decoding (every code and a spread of scales)."""
+    from k3compile.checkpoint.mxfp4 import unpack_mxfp4
+
+    class Route(torch.nn.Module):
+        def forward(self, logits, bias):
+            return sigmoid_topk_route(logits, bias, 4, True, 2.5)
+
+    logits = torch.randn(6, 32)
+    logits[:, 5] = logits[:, 9] = 3.0  # a tie: the reference puts id 5 first
+    bias = torch.zeros(32)
+    want = k3_op_definitions()["sigmoid_topk_route"]._init_fn(logits, bias, 4, True, 2.5)
+    path = tmp_path / "route.onnx"
+    torch.onnx.export(Route(), (logits, bias), dynamo=True, verbose=False).save(path)
+    weights, ids = ort.InferenceSession(str(path)).run(None, {"logits": logits.numpy(), "bias": bias.numpy()})
+    assert np.array_equal(ids, want[1].numpy()) and np.allclose(weights, want[0].numpy(), rtol=1e-6)
+    packed = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # every pair of codes
+    scale = torch.tensor([[120, 127, 130, 0, 254, 1, 127, 127] * 2] * 2, dtype=torch.uint8)
+    assert torch.equal(decode_mxfp4(packed, scale, torch.float32), unpack_mxfp4(packed, scale, torch.float32))
+
+
+def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_path):
+    """A prefill program (ops without decompositions), a TP2 program (collectives), a
+    rank out of range and a wrong file name: each a clear error, no file written."""
+    tp1 = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
+    tp2 = compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir
+    out = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match=r"k3 ops .*kda_prefill.* have no decomposition .*only the decode phase"):
+        export_onnx(tp1, out, ExportOptions(phase="prefill"))
+    with pytest.raises(ValueError, match=r"collectives \(all_reduce.*\), which ONNX cannot express: export a TP1"):
+        export_onnx(tp2, out, OPTIONS)
+    with pytest.raises(ValueError, match=r"rank 1: the artifact has ranks 0..0"):
+        export_onnx(tp1, out, ExportOptions(rank=1))
+    with pytest.raises(ValueError, match=r"must end in \.onnx"):
+        export_onnx(tp1, tmp_path / "m.txt", OPTIONS)
+    with pytest.raises(ValueError, match="phase: one of decode, prefill"):
+        ExportOptions(phase="train")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_writes_the_model_with_external_data(compile_once, tmp_path):
+    """``k3compile export ... --external-data``: the model and its weights file, which the
+    full check reads back; a bad option is one line on stderr and nothing written."""
+    from cli_runs import assert_one_line_error, invoke
+
+    artifact = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
+    out = tmp_path / "tiny_decode.onnx"
+    result = invoke("export", str(artifact), "-o", str(out), "--external-data", "--max-context", "64")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"wrote .*tiny_decode\.onnx \(\d+\.\d MiB with its data\) in \d+\.\d s: 7 step inputs and "
+                     r"19 caches in, the logits and 19 caches out", " ".join(result.stdout.split()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_decode.onnx", "tiny_decode.onnx.data"]
+    assert (tmp_path / "tiny_decode.onnx.data").stat().st_size > out.stat().st_size  # the weights live there
+    onnx.checker.check_model(str(out), full_check=True)
+    assert_one_line_error(invoke("export", str(artifact), "-o", str(tmp_path / "m.onnx"), "--format", "tflite"),
+                          "--format: unknown format 'tflite'; choose one of onnx")
+    assert not (tmp_path / "m.onnx").exists()
