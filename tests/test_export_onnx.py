@@ -112,7 +112,7 @@ def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_pa
     out = tmp_path / "m.onnx"
     with pytest.raises(ValueError, match=r"k3 ops .*kda_prefill.* have no decomposition .*only the decode phase"):
         export_onnx(tp1, out, ExportOptions(phase="prefill"))
-    with pytest.raises(ValueError, match=r"collectives \(all_reduce.*\), which ONNX cannot express: export a TP1"):
+    with pytest.raises(ValueError, match=r"collectives \(.*all_reduce.*\), which ONNX cannot express: export a TP1"):
         export_onnx(tp2, out, OPTIONS)
     with pytest.raises(ValueError, match=r"rank 1: the artifact has ranks 0..0"):
         export_onnx(tp1, out, ExportOptions(rank=1))

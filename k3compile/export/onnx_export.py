@@ -105,7 +105,8 @@ def _check_exportable(artifact, options: ExportOptions) -> None:
         raise ValueError(f"the artifact has no {options.phase} program")
     gm = artifact.programs[options.phase].graph_module
     collectives = sorted({str(n.target).split(".")[1] for n in gm.graph.nodes
-                          if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")})
+                          if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")}
+                         - {"wait_tensor"})
     if collectives:
         raise ValueError(f"the {options.phase} program holds collectives ({', '.join(collectives)}), which ONNX "
                          f"cannot express: export a TP1 artifact (this one is TP{info.tp}, DCP{info.dcp})")
