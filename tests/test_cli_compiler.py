@@ -349,3 +349,15 @@ def test_block_size_defaults_to_the_targets():
     assert [CompileOptions(target=t).block_size for t in ("h200", "mi355x", "mi300x", "cpu")] == [64, 16, 16, 16]
     assert CompileOptions(target="h200", block_size=16).block_size == 16
     assert MemoryOptions(target="h200").block_size == 64 and MemoryOptions().block_size == 16
+
+
+def test_report_reads_the_dcp_options_from_the_pass_records():
+    """inspect --kernels: split_mla_context's prefill and merge options, as its records'
+    op changes show them (the manifest does not store pass options)."""
+    from k3compile.cli.kernels import dcp_merge, dcp_prefill
+
+    decode = {"pass": "split_mla_context", "phase": "decode", "op_count_delta": {"k3.dcp_rescale.default": 2}}
+    prefill = {"pass": "split_mla_context", "phase": "prefill", "op_count_delta": {"k3.mla_prefill_partial.default": 2}}
+    assert (dcp_prefill([decode, prefill]), dcp_merge([decode, prefill])) == ("partial", "reduce-scatter")
+    other = {"pass": "split_mla_context", "phase": "decode", "op_count_delta": {"k3.dcp_merge.default": 2}}
+    assert (dcp_prefill([other]), dcp_merge([other])) == ("gathered", "all-to-all")
