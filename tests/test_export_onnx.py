@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from k3compile.export import ExportOptions, export_onnx
+from cli_runs import assert_one_line_error, invoke
+from k3compile.export import ExportOptions, ExportResult, export_onnx
 from k3compile.export.decompositions import decode_mxfp4, k3_op_definitions, sigmoid_topk_route
 from k3compile.export.onnx_export import STEP_INPUTS
 from k3compile.runtime.engine import Runtime, RuntimeOptions
@@ -32,14 +33,26 @@ def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def exported(request, compile_once, tmp_path_factory):
+    """(artifact, ExportResult, the command's output or None): ``tiny`` through the command
+    line with its weights as external data, the others through the API, weights embedded."""
     preset, experts, options = request.param
     artifact = compile_once(preset, experts, dtype="float32", validate=False, **options).out_dir
     out = tmp_path_factory.mktemp("onnx") / f"{preset}.onnx"
-    return artifact, export_onnx(artifact, out, OPTIONS)
+    if preset != "tiny":
+        return artifact, export_onnx(artifact, out, OPTIONS), None
+    run = invoke("export", artifact, "-o", out, "--external-data", "--max-sequences", OPTIONS.max_sequences,
+                 "--max-context", OPTIONS.max_context)
+    assert run.exit_code == 0, run.output
+    model = onnx.load(str(out), load_external_data=False)
+    cache_outputs = json.loads({p.key: p.value for p in model.metadata_props}["k3compile.cache_outputs"])
+    files = sum(f.stat().st_size for f in out.parent.iterdir())
+    result = ExportResult(out, 0.0, files, tuple(i.name for i in model.graph.input),
+                          tuple(o.name for o in model.graph.output), cache_outputs)
+    return artifact, result, run.stdout
 
 
 def test_the_model_passes_the_full_check_and_names_its_cache_outputs(exported):
-    _, result = exported
+    _, result, _ = exported
     model = onnx.load(str(result.path))
     onnx.checker.check_model(model, full_check=True)
     assert [i.name for i in model.graph.input][:len(STEP_INPUTS)] == list(STEP_INPUTS)
@@ -47,7 +60,7 @@ def test_the_model_passes_the_full_check_and_names_its_cache_outputs(exported):
     assert json.loads(meta["k3compile.cache_outputs"]) == result.cache_outputs
     caches = [n for n in result.inputs if n.startswith("cache.")]
     assert [o.name for o in model.graph.output] == ["logits", *(f"{n}.next" for n in caches)]
-    assert result.file_bytes == result.path.stat().st_size > 0
+    assert result.file_bytes >= result.path.stat().st_size > 0
 
 
 def test_onnx_runtime_steps_equal_the_runtime_with_caches_fed_back(exported):
@@ -55,7 +68,7 @@ def test_onnx_runtime_steps_equal_the_runtime_with_caches_fed_back(exported):
     logits and every updated cache from ONNX Runtime equal the runtime's (its program on
     its own caches) within 1e-5 relative; ONNX Runtime's caches come from its previous
     step, so the round trip of every cache is exercised."""
-    artifact, result = exported
+    artifact, result, _ = exported
     from k3compile.artifact import load_artifact
 
     rt = Runtime(load_artifact(artifact), 0, torch.device("cpu"),
@@ -123,20 +136,18 @@ def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_writes_the_model_with_external_data(compile_once, tmp_path):
-    """``k3compile export ... --external-data``: the model and its weights file, which the
-    full check reads back; a bad option is one line on stderr and nothing written."""
-    from cli_runs import assert_one_line_error, invoke
-
-    artifact = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
-    out = tmp_path / "tiny_decode.onnx"
-    result = invoke("export", str(artifact), "-o", str(out), "--external-data", "--max-context", "64")
-    assert result.exit_code == 0, result.output
-    assert re.search(r"wrote .*tiny_decode\.onnx \(\d+\.\d MiB with its data\) in \d+\.\d s: 7 step inputs and "
-                     r"19 caches in, the logits and 19 caches out", " ".join(result.stdout.split()))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_decode.onnx", "tiny_decode.onnx.data"]
-    assert (tmp_path / "tiny_decode.onnx.data").stat().st_size > out.stat().st_size  # the weights live there
-    onnx.checker.check_model(str(out), full_check=True)
-    assert_one_line_error(invoke("export", str(artifact), "-o", str(tmp_path / "m.onnx"), "--format", "tflite"),
+def test_weights_embedded_or_external(exported, tmp_path):
+    """The API embeds the weights; ``k3compile export --external-data`` (the ``tiny`` case)
+    writes them to FILE.data beside the model and says what it wrote; a bad option is
+    one line on stderr and nothing written."""
+    artifact, result, stdout = exported
+    data = result.path.with_name(result.path.name + ".data")
+    if stdout is None:
+        assert not data.exists() and result.file_bytes == result.path.stat().st_size
+        return
+    assert re.search(r"wrote .*tiny\.onnx \(\d+\.\d MiB with its data\) in \d+\.\d s: 7 step inputs and "
+                     r"19 caches in, the logits and 19 caches out", " ".join(stdout.split()))
+    assert data.stat().st_size > result.path.stat().st_size  # the weights live there
+    assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.onnx", "--format", "tflite"),
                           "--format: unknown format 'tflite'; choose one of onnx")
-    assert not (tmp_path / "m.onnx").exists()
+    assert list(tmp_path.iterdir()) == []
