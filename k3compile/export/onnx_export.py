@@ -13,7 +13,8 @@ the outputs back in the next step.
              cache.<layer>.<part> ... (fixed shapes: ExportOptions' sequences and context)
     outputs  logits [B, vocab / tp], cache.<layer>.<part>.next ...
 
-B and the block table's width are dynamic.
+B and the block table's width are dynamic. FP8 MLA caches are refused (their rows are
+bytes reinterpreted in place, which the ONNX translator cannot express yet).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from k3compile.batch import KDALayerCache, MLALayerCache
 from k3compile.export.decompositions import DecomposedK3Ops, missing_decompositions
+from k3compile.mla_cache_fp8 import is_fp8_dtype
 
 #: the decode program's non-cache inputs, in the order the runtime passes them
 STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "state_slots", "block_table", "slot_mapping", "logit_indices")
@@ -98,6 +100,10 @@ def _check_exportable(artifact, options: ExportOptions) -> None:
     info = artifact.info
     if not 0 <= options.rank < info.tp:
         raise ValueError(f"rank {options.rank}: the artifact has ranks 0..{info.tp - 1}")
+    if is_fp8_dtype(info.kv_cache_dtype):
+        raise ValueError(f"the artifact's MLA caches are {str(info.kv_cache_dtype).removeprefix('torch.')}, whose "
+                         "byte-level rows (codes and scales) do not translate to ONNX yet: compile with "
+                         "--kv-cache-dtype auto to export")
     if options.max_context <= info.block_size:
         raise ValueError(f"max_context {options.max_context}: the caches must hold more than one MLA block of "
                          f"{info.block_size} tokens a sequence (the block table's width is a dynamic dimension)")
