@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from k3compile.runtime.kernels import aot, kda_prefill, kda_prefill_scan, mla_prefill_expanded, mla_split_kv, moe_plans
-from k3compile.runtime.kernels.targets import AMD_TARGETS, NVIDIA_TARGETS, device_target, register_cap
+from k3compile.runtime.kernels.targets import AMD_TARGETS, NVIDIA_TARGETS, device_target, on_nvidia, register_cap
 
 
 def test_the_cpu_interpreter_takes_the_h200_table():
@@ -40,3 +40,15 @@ def test_register_caps_reach_nvidia_targets_only():
     assert register_cap("sm_90", 168) == {"maxnreg": 168} and register_cap("sm_90", None) == {}
     assert all(register_cap(t, 168) == {} for t in AMD_TARGETS)
     assert set(kda_prefill.PREP_MAX_REGISTERS) <= set(NVIDIA_TARGETS)
+
+
+def test_the_vendor_is_read_in_one_place():
+    """Issue #24: the runtime selects by target (``device_target``), never by
+    ``torch.version.hip`` elsewhere."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readers = sorted(str(p.relative_to(root)) for folder in ("runtime", "k3compile", "passes")
+                     for p in (root / folder).rglob("*.py") if "version.hip" in p.read_text())
+    assert readers == ["runtime/kernels/targets.py"]
+    assert not on_nvidia(torch.device("cpu"))

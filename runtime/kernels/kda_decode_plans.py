@@ -40,6 +40,7 @@ import triton
 
 from k3compile.runtime.kernels.aot import TRITON_DTYPES
 from k3compile.runtime.kernels.kda_decode_kernel import kda_decode_kernel
+from k3compile.runtime.kernels.targets import on_nvidia
 
 __all__ = [
     "MAX_BLOCK_V",
@@ -244,7 +245,7 @@ def aot_signature(
 @functools.cache
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: CUDA (not ROCm) from compute capability 9.0."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+    return on_nvidia(device) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _is_power_of_two(n: int) -> bool:

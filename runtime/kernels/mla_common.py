@@ -18,6 +18,7 @@ from triton.runtime.jit import JITFunction
 from k3compile.mla_cache_fp8 import cache_value_width, is_fp8_cache
 from k3compile.ops import mla as mla_ops
 from k3compile.runtime.kernels.aot import KernelLaunch
+from k3compile.runtime.kernels.targets import on_nvidia
 
 LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may only read constexpr globals
@@ -162,7 +163,7 @@ def _check_inputs(kernel: MLAKernel, q: Tensor, kv_cache: Tensor, block_table: T
 def check_fp8_cache_device(name: str, kv_cache: Tensor) -> None:
     """An fnuz FP8 cache (the mi300x target's) on an NVIDIA GPU is a ValueError: only AMD
     GPUs (and the interpreter) convert that format."""
-    if kv_cache.dtype == torch.float8_e4m3fnuz and kv_cache.is_cuda and not torch.version.hip:
+    if kv_cache.dtype == torch.float8_e4m3fnuz and on_nvidia(kv_cache.device):
         raise ValueError(f"{name}: a float8_e4m3fnuz MLA cache (the mi300x target's) runs on AMD GPUs only; "
                          "compile the model for this GPU's target")
 

@@ -405,7 +405,7 @@ def _kv_descriptors(kv_cache: Tensor, value_dim: int, block_n: int) -> tuple[Ten
     num_blocks, block_size, W = *kv_cache.shape[:2], cache_value_width(kv_cache)
     if kv_cache.is_cuda and not _INTERPRETED and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
         return None
-    if kv_cache.is_cuda and torch.version.hip:  # plain loads there: measured only with pointers
+    if kv_cache.is_cuda and device_target(kv_cache.device) in AMD_TARGETS:  # plain loads: measured only so
         return None
     rows_contiguous = kv_cache.stride(0) == block_size * kv_cache.stride(1) and kv_cache.stride(2) == 1
     aligned = kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0

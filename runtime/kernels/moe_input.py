@@ -31,6 +31,7 @@ from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.activations import situ_glu
 from k3compile.runtime.kernels.aot import KernelLaunch, launch_signature
 from k3compile.runtime.kernels.routing import sigmoid_topk_route
+from k3compile.runtime.kernels.targets import on_nvidia
 from k3compile.runtime.weight_layout import consecutive_rows
 
 BLOCK = 1024  # columns per program
@@ -112,7 +113,7 @@ def moe_input_proj(x: Tensor, router_weight: Tensor, correction_bias: Tensor, do
                 k3.situ_and_mul_proj(x, gate_weight, up_weight, beta, linear_beta))
     if x.dtype == torch.float32:
         product = torch.mm(x, merged.t())
-    elif x.is_cuda and not torch.version.hip:  # (as router_logits: out_dtype is cuBLAS's)
+    elif on_nvidia(x.device):  # (as router_logits: out_dtype is cuBLAS's)
         product = torch.mm(x, merged.t(), out_dtype=torch.float32)
     else:  # the same products in fp32
         product = torch.nn.functional.linear(x.float(), merged.float())

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
+from k3compile.runtime.kernels.targets import NVIDIA_TARGETS, device_target
 
 MAX_EXPERTS = 4096  # one register row per token in the routing kernel
 ROUTE_WARPS = 4  # one token's 896 scores per program (H200: 5.5 us at 4 warps, 9.3 at 1)
@@ -66,7 +67,8 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
     """``k3::router_logits``: with bf16 / fp16 operands one GEMM that reads the weight as
     stored and writes fp32 (``torch.mm(..., out_dtype=float32)``, cuBLAS on CUDA), else the
     reference's fp32 product."""
-    if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and not torch.version.hip:
+    if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and \
+            device_target(x.device) in NVIDIA_TARGETS:  # the CPU too; not ROCm
         flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
         return flat.view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x.float(), weight.float())

@@ -28,6 +28,11 @@ def device_target(device: torch.device) -> str:
     return "sm_90"
 
 
+def on_nvidia(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU of an NVIDIA target (NVIDIA-only options and libraries)."""
+    return device.type == "cuda" and device_target(device) in NVIDIA_TARGETS
+
+
 @functools.cache
 def compute_units(device: torch.device) -> int:
     """SMs (NVIDIA) / CUs (ROCm reports them in the same field) of a GPU; 1 for the CPU
