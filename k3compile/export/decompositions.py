@@ -25,6 +25,7 @@ the host in their references; they have no decomposition yet, and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -93,6 +94,7 @@ _OWN: dict[str, Callable[..., object]] = {
 }
 
 
+@functools.cache
 def k3_op_definitions() -> dict[str, CustomOpDef]:
     """Every k3 custom op by name (the op library's modules, imported)."""
     ops: dict[str, CustomOpDef] = {}

@@ -135,17 +135,20 @@ def register_kernels(device_type: str) -> None:
     attn_res_ops.attn_res_mix_norm.register_kernel(device_type)(attn_res_mix_norm)
 
 
+def aot_launch(n: int, norm: bool, width: int = 7168, dtype: torch.dtype = torch.bfloat16) -> KernelLaunch:
+    """The mix of ``n`` candidates (with the norm after it: ``norm``) as the launcher
+    specialises it for rows of ``width``, for AOT checks."""
+    t = TRITON_DTYPES[dtype]
+    c = _constexprs(n, width, norm)
+    types = {"cands": (f"*{t}",) * n, "proj_ptr": f"*{t}", "score_norm_ptr": f"*{t}", "norm_ptr": f"*{t}",
+             "out_ptr": f"*{t}", "eps": "fp32", "norm_eps": "fp32"}
+    return KernelLaunch(f"attn_res_mix N={n} norm={norm}", _attn_res_mix_kernel,
+                        launch_signature(_attn_res_mix_kernel, types, c), c, _num_warps(width))
+
+
 def aot_requests(width: int = 7168, dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     """The mix with the norm at K3's extremes of candidates (2: the first mix after the
     embedding's block; 9: the last layers), at K3's hidden size; and the plain mix at 5
     candidates (K3's default pipeline fuses every mix with its norm; on sm_90 ptxas hoists
     every candidate's load of the plain mix and spills from 7 candidates)."""
-    t = TRITON_DTYPES[dtype]
-    launches = []
-    for n, norm in ((2, True), (9, True), (5, False)):
-        c = _constexprs(n, width, norm)
-        types = {"cands": (f"*{t}",) * n, "proj_ptr": f"*{t}", "score_norm_ptr": f"*{t}", "norm_ptr": f"*{t}",
-                 "out_ptr": f"*{t}", "eps": "fp32", "norm_eps": "fp32"}
-        launches.append(KernelLaunch(f"attn_res_mix N={n} norm={norm}", _attn_res_mix_kernel,
-                                     launch_signature(_attn_res_mix_kernel, types, c), c, _num_warps(width)))
-    return launches
+    return [aot_launch(n, norm, width, dtype) for n, norm in ((2, True), (9, True), (5, False))]

@@ -357,11 +357,8 @@ def _per_token(phase: str, s: StepShapes, tokens: int) -> list[PlannedLaunch]:
 
     n = s.attn_res_candidates
     if n <= attn_res.MAX_CANDIDATES and s.hidden <= attn_res.MAX_WIDTH:
-        mix = next(m for m in attn_res.aot_requests(s.hidden, s.dtype) if m.constexprs["NORM"])
-        c = {**mix.constexprs, "N": n}
-        mix = replace(mix, name=f"attn_res_mix N={n} norm=True", constexprs=c,
-                      signature={**mix.signature, "cands": (mix.signature["cands"][0],) * n})
-        add("attn_res mix + norm", mix, T, f"up to {n} candidates", width=s.hidden)
+        add("attn_res mix + norm", attn_res.aot_launch(n, True, s.hidden, s.dtype), T, f"up to {n} candidates",
+            width=s.hidden)
     product = padded_rows(E + Z + 2 * I)  # moe_input_proj: router, latent down, shared gate / up
     add("moe input: routing", routing.aot_requests(E, s.top_k)[0], T, f"top {s.top_k} of {E}", E=E,
         logits_stride=product)
