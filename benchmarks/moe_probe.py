@@ -10,7 +10,9 @@ experts' pair counts on the host, so no graph; ``time`` only). ``time`` prints e
 of ``--calls`` calls with their own routing, as benchmarks/moe_layer.py) over the floor of
 the distinct experts' bytes, and the routing kernel's time at several warp counts;
 ``kernels`` the same graphs' device time per kernel and call (``torch.profiler`` over
-replays).
+replays). ``dequant`` times ``moe_dequant.dequantize`` on one group of experts' W1 and W2
+(what the dequantised path launches per group) against ``zero_`` of its output (the write
+alone) and a bf16 copy of it, and the floor of its bytes at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -62,9 +64,27 @@ def kernel_times(fns: list, calls: int, replays: int = 10) -> list[tuple[str, fl
             for i in range(per_call)]
 
 
+def dequant_times(w: dict[str, torch.Tensor], bandwidth: float) -> list[dict]:
+    """Microseconds per call of the dequantisation kernel and its peers (module docstring)."""
+    group = moe_dequant.EXPERT_GROUP
+    rows = []
+    for name in ("w1", "w2"):
+        packed, scale = w[f"{name}_packed"][:group], w[f"{name}_scale"][:group]
+        out = moe_dequant.dequantize(packed, scale, torch.bfloat16)
+        other = torch.empty_like(out)
+        floor = (packed.numel() + scale.numel() + out.numel() * out.element_size()) / bandwidth
+        for what, fn in (("dequantize", lambda: moe_dequant.dequantize(packed, scale, torch.bfloat16)),
+                         ("zero_ (write only)", out.zero_), ("bf16 copy", lambda: out.copy_(other))):
+            t = graph_time([fn] * 4, 20)
+            rows.append({"weight": name, "shape": list(out.shape), "what": what, "us": round(t * 1e6, 1),
+                         "x_floor": round(t / floor, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["time", "run", "kernels"])
+    ap.add_argument("mode", choices=["time", "run", "kernels", "dequant"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--T", type=int, default=1)
     ap.add_argument("--plans", nargs="+", default=[])
@@ -90,6 +110,9 @@ def main() -> None:
                 print(json.dumps({"T": T, "plan": text, "kernels_us": kernel_times(fns, args.calls)}), flush=True)
         return
     bandwidth = copy_bandwidth(2 << 30, 10)
+    if args.mode == "dequant":
+        print(json.dumps({"bandwidth": bandwidth, "rows": dequant_times(w, bandwidth)}))
+        return
     rows = []
     for T in args.batches:
         sets = inputs(T, args.calls, gen)

@@ -109,8 +109,8 @@ def test_mla_prefill_both_forms_at_k3_shapes():
 
 
 def test_moe_dequantized_against_the_fused_kernels_at_k3_shapes():
-    """E 896, top_k 16, D 3584, I 384, 4,096 tokens (65,536 pairs: the dequantised path's
-    threshold on sm_90): the dequantised path against the fused kernels' long-prefill plan
+    """E 896, top_k 16, D 3584, I 384, 4,096 tokens (65,536 pairs, past the dequantised
+    path's threshold on sm_90): the dequantised path against the fused kernels' long-prefill plan
     (both against the op's reference would dequantise every expert per token group: the
     fused kernels are checked against it at small shapes)."""
     from k3compile.runtime.kernels import moe, moe_dequant, routing

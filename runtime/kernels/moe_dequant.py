@@ -19,7 +19,8 @@ kernels (``moe.py``) decode in registers for every block of pairs instead, which
 
 ``_mxfp4_dequant_kernel``: one program per (BLOCK_R weight rows, BLOCK_B packed bytes):
 each byte's two E2M1 codes (low nibble the even column) times the group's E8M0 scale, exact
-in bf16. One host synchronisation per call (the experts' pair counts, to slice the groups):
+in bf16, the magnitude built from the code's bits rather than by selects (the kernel is
+bound by its arithmetic as much as by its bytes). One host synchronisation per call (the experts' pair counts, to slice the groups):
 prefill runs eagerly. Scratch: a group's bf16 weights (3 x group x I x D x 2 bytes: 1 GB at
 128 experts of one TP8 rank) and x / y [T * top_k, D] in z's dtype.
 """
@@ -39,30 +40,51 @@ from k3compile.runtime.kernels.moe import (
 
 #: experts dequantised at a time (bounds the bf16 scratch)
 EXPERT_GROUP = 128
-BLOCK_R = 16
-BLOCK_B = 128  # packed bytes per program row: 256 weights, 8 scale groups
+BLOCK_R = 32
+BLOCK_B = 64  # packed bytes per program row: 128 weights, 4 scale groups
+DEQUANT_WARPS = 2
+
+
+@triton.jit
+def _e2m1_value(code, scale):
+    """An E2M1 code (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa) times
+    ``scale`` in fp32. Its magnitude from bits: exponent field e + 126 over mantissa m is
+    2^(e - 1) (1 + m / 2), the code's value for e > 0; e == 0 is 0 or 0.5."""
+    bits = ((code & 7) << 22) + (126 << 23)
+    mag = tl.where((code & 6) == 0, (code & 1).to(tl.float32) * 0.5, bits.to(tl.float32, bitcast=True))
+    return (mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _as_unsigned(x, BITS: tl.constexpr):
+    if BITS == 16:
+        word = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        word = x.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return word
 
 
 @counted
 @triton.jit
 def _mxfp4_dequant_kernel(packed_ptr, scale_ptr, out_ptr, rows, K, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     """out [rows, K] = E2M1 codes of packed [rows, K / 2] (low nibble first) x 2^(scale - 127)
-    per 32 columns (scale [rows, K / 32])."""
+    per 32 columns (scale [rows, K / 32]). A program: BLOCK_R rows x BLOCK_B bytes, as
+    [rows, 16-byte groups, 16]: one scale per group; each byte's two values stored as one
+    word of twice their width (no interleaving in registers)."""
+    GROUPS: tl.constexpr = BLOCK_B // 16
+    BITS: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth
+    WORD: tl.constexpr = tl.uint32 if BITS == 16 else tl.uint64
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    ok = (r < rows)[:, None] & (b < K // 2)[None, :]
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     r64 = r.to(tl.int64)[:, None]
-    p = tl.load(packed_ptr + r64 * (K // 2) + b[None, :], mask=ok, other=0).to(tl.int32)
-    e = tl.load(scale_ptr + r64 * (K // 32) + (b // 16)[None, :], mask=ok, other=127).to(tl.int32)
-    scale = tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))  # 2^(e - 127)
-    pair = tl.join(p & 15, p >> 4)  # [BLOCK_R, BLOCK_B, 2]: the even column, then the odd one
-    exp = (pair >> 1) & 3
-    half = (pair & 1).to(tl.float32) * 0.5
-    mag = tl.where(exp == 0, half, (1.0 + half) * tl.where(exp == 1, 1.0, tl.where(exp == 2, 2.0, 4.0)))
-    value = tl.where((pair & 8) != 0, -mag, mag) * scale[:, :, None]
-    cols = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
-    tl.store(out_ptr + r64 * K + cols[None, :], tl.reshape(value, [BLOCK_R, 2 * BLOCK_B]).to(out_ptr.dtype.element_ty),
-             mask=(r < rows)[:, None] & (cols < K)[None, :])
+    ok = (r < rows)[:, None] & (g < K // 32)[None, :]
+    e = tl.load(scale_ptr + r64 * (K // 32) + g[None, :], mask=ok, other=127).to(tl.int32)
+    scale = tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))[:, :, None]  # 2^(e-127)
+    byte = r64[:, :, None] * (K // 2) + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    p = tl.load(packed_ptr + byte, mask=ok[:, :, None], other=0).to(tl.int32)
+    even = _as_unsigned(_e2m1_value(p & 15, scale).to(out_ptr.dtype.element_ty), BITS)
+    odd = _as_unsigned(_e2m1_value(p >> 4, scale).to(out_ptr.dtype.element_ty), BITS)
+    tl.store(out_ptr.to(tl.pointer_type(WORD), bitcast=True) + byte, even | (odd << BITS), mask=ok[:, :, None])
 
 
 def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -72,7 +94,7 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     rows = out.numel() // K
     if rows:
         _mxfp4_dequant_kernel[(triton.cdiv(rows, BLOCK_R), triton.cdiv(K // 2, BLOCK_B))](
-            packed, scale, out, rows, K, BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B, num_warps=4)
+            packed, scale, out, rows, K, BLOCK_R=BLOCK_R, BLOCK_B=BLOCK_B, num_warps=DEQUANT_WARPS)
     return out
 
 
@@ -146,4 +168,4 @@ def aot_requests(dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     c = {"BLOCK_R": BLOCK_R, "BLOCK_B": BLOCK_B}
     types = {"packed_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": f"*{TRITON_DTYPES[dtype]}"}
     return [KernelLaunch("mxfp4 dequant", _mxfp4_dequant_kernel, launch_signature(_mxfp4_dequant_kernel, types, c),
-                         c, 4, 1, ("K",))]
+                         c, DEQUANT_WARPS, 1, ("K",))]

@@ -81,11 +81,10 @@ _SM90 = TargetPlans(
     grouped_min_pairs=3072,  # T = 192 at top_k 16
     prefill=MoePlan(True, 128, GemmPlan(128, 128, 8, 3), GemmPlan(128, 128, 8, 3)),
     prefill_min_pairs=65536,  # T = 4,096
-    # from 4,096 tokens every expert is picked ~73 times: decoding each weight once (7.4 GB of
-    # bf16 writes, ~2.5 ms at the copy bandwidth) then dense-rate grouped GEMMs (4.3 TFLOP at
-    # 32K tokens: ~8 ms at 550 TFLOP/s) against 73 ms for the best fused plan. An estimate
-    # from bytes, FLOPs and _grouped_mm's measured rate at T = 256: not yet measured here
-    dequant_min_pairs=65536,
+    # dequantised from 2,048 tokens (32,768 pairs, every expert picked ~37 times): one layer
+    # 7.35 against 8.44 ms for the grouped plan there, 7.09 against 6.62 at 1,536 tokens
+    # (benchmarks/moe_probe.py time, BENCHMARKS.md)
+    dequant_min_pairs=32768,
 )
 # MI355X / MI300X (256 / 304 CUs, 64-wide waves): the matrix unit on both paths (gfx950
 # decodes E2M1 in hardware there, where the H200 decodes it in software), one warp per
