@@ -153,5 +153,5 @@ def test_weights_embedded_or_external(exported, tmp_path):
                      r"19 caches in, the logits and 19 caches out", " ".join(stdout.split()))
     assert data.stat().st_size > result.path.stat().st_size  # the weights live there
     assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.onnx", "--format", "tflite"),
-                          "--format: unknown format 'tflite'; choose one of onnx")
+                          "--format: unknown format 'tflite'; choose one of onnx, mlir")
     assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,7 @@ Commands (run ``k3compile COMMAND --help`` for the options of each):
 * ``inspect``: verify an artifact and show how it was made and what each pass did.
 * ``run``: load an artifact with the runtime and generate tokens (``torchrun`` for tp > 1).
 * ``bench``: time an artifact's decode steps and prefills against the floor of their bytes.
-* ``export``: one rank's decode program as an ONNX model, its k3 ops decomposed.
+* ``export``: one rank's decode program as an ONNX model or an MLIR module, its k3 ops decomposed.
 
 The flow from a model to generated tokens::
 

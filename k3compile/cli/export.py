@@ -13,7 +13,7 @@ from k3compile.cli.artifact import ArtifactArgument
 from k3compile.cli.options import choice
 
 #: the formats ``export`` writes
-FORMATS = ("onnx",)
+FORMATS = ("onnx", "mlir")
 
 
 @app.command("export")
@@ -21,39 +21,59 @@ def export_command(
     out: ArtifactArgument,
     output: Annotated[Path, typer.Option("-o", "--output", help="The file to write. Example: -o tiny_decode.onnx",
                                          show_default=False)],
-    format: Annotated[str, typer.Option("--format", help="onnx. Example: --format onnx")] = "onnx",
+    format: Annotated[str, typer.Option("--format", help="onnx or mlir. Example: --format mlir")] = "onnx",
     phase: Annotated[str, typer.Option(help="The program to export: decode (prefill: not yet). Example: --phase decode")]
     = "decode",
     rank: Annotated[int, typer.Option(help="Whose program and weights (a TP1 artifact has rank 0). Example: --rank 0")]
     = 0,
-    max_sequences: Annotated[int, typer.Option(help="Sequences the exported cache inputs hold. Example: --max-sequences 8")]
+    max_sequences: Annotated[int, typer.Option(help="Sequences the exported cache inputs hold (MLIR: at most 15). "
+                                                    "Example: --max-sequences 8")]
     = 4,
     max_context: Annotated[int, typer.Option(help="Tokens a sequence the cache inputs hold. Example: --max-context 1024")]
     = 256,
     external_data: Annotated[bool, typer.Option("--external-data/--embedded-weights",
-                                                help="Weights in a FILE.data beside the model (ONNX external data), or "
-                                                     "inside it (at most 2 GB).")] = False,
+                                                help="ONNX: weights in a FILE.data beside the model (ONNX external "
+                                                     "data), or inside it (at most 2 GB).")] = False,
+    dialect: Annotated[str, typer.Option(help="MLIR: torch (torch-mlir's torch dialect) or linalg (lowered to "
+                                              "linalg-on-tensors, which k3compile.export.LinalgModule runs). "
+                                              "Example: --dialect linalg")] = "torch",
 ) -> None:
     """Export an artifact's decode program, its k3 ops decomposed into standard operators.
 
-    ONNX: the model's inputs are the runtime's decode-step tensors and every cache; its outputs the logits and every cache after the step (named CACHE.next; the metadata key k3compile.cache_outputs maps each to its input), so a caller feeds them back in. The batch and the block table's width are dynamic. Checked with onnx.checker (full check) before it is written. Collectives have no ONNX form: TP > 1 artifacts are refused. docs/export.md has a worked example.
+    The inputs are the runtime's decode-step tensors and every cache; the outputs the logits and every cache after the step (named CACHE.next), so a caller feeds them back in. The batch and the block table's width are dynamic. Collectives have no ONNX or MLIR form: TP > 1 artifacts are refused. docs/export.md has worked examples.
+
+    ONNX: the metadata key k3compile.cache_outputs maps each cache output to its input; checked with onnx.checker (full check) before it is written.
+
+    MLIR (needs torch-mlir: the mlir extra): one function named after the phase, weights embedded as dense resources; the module's attributes k3compile.inputs, k3compile.outputs and k3compile.cache_outputs name its arguments and results. Verified before it is written.
 
     Example: k3compile export ./tiny.k3c --format onnx -o tiny_decode.onnx
+
+    Example: k3compile export ./tiny.k3c --format mlir --dialect linalg -o tiny_decode.mlir
     """
     from k3compile.artifact import ArtifactError
-    from k3compile.export import ExportOptions, export_onnx
+    from k3compile.export import ExportOptions, export_mlir, export_onnx
+    from k3compile.export.mlir_export import DIALECTS
 
     try:
         choice(format, FORMATS, "--format", "format")
+        choice(dialect, DIALECTS, "--dialect", "dialect")
         if max_sequences < 2 or max_context < 2:
             raise UserError(f"--max-sequences and --max-context: at least 2, got {max_sequences} and {max_context}")
+        if format == "mlir" and external_data:
+            raise UserError("--external-data: ONNX only (an MLIR module embeds its weights)")
+        if format == "onnx" and dialect != "torch":
+            raise UserError(f"--dialect {dialect}: MLIR only (add --format mlir)")
         options = ExportOptions(phase=choice(phase, ("decode", "prefill"), "--phase", "phase"), rank=rank,
                                 max_sequences=max_sequences, max_context=max_context, external_data=external_data)
         with console.status(f"exporting the {phase} program of rank {rank}"):
-            result = export_onnx(out, output, options)
+            if format == "onnx":
+                result = export_onnx(out, output, options)
+            else:
+                result = export_mlir(out, output, options, dialect)
     except (UserError, ArtifactError, ValueError) as e:
         fail(str(e))
     caches = len(result.cache_outputs)
-    console.print(f"wrote {result.path} ({result.file_bytes / 2**20:.1f} MiB with its data) in {result.seconds:.1f} s: "
+    size = f"{result.file_bytes / 2**20:.1f} MiB" + (" with its data" if format == "onnx" else "")
+    console.print(f"wrote {result.path} ({size}) in {result.seconds:.1f} s: "
                   f"{len(result.inputs) - caches} step inputs and {caches} caches in, the logits and {caches} caches "
                   "out", soft_wrap=True)

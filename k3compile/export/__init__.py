@@ -1,9 +1,14 @@
 """Exports of an artifact's optimized programs to other toolchains (issue #25).
 
 ``export_onnx``: one rank's decode program as an ONNX model whose k3 ops are decomposed
-into standard operators and whose caches are inputs and outputs (docs/export.md).
+into standard operators and whose caches are inputs and outputs. ``export_mlir``: the
+same program as an MLIR module, in torch-mlir's torch dialect or lowered to
+linalg-on-tensors, which ``LinalgModule`` runs on the CPU (docs/export.md).
 """
 
-from k3compile.export.onnx_export import ExportOptions, ExportResult, export_onnx
+from k3compile.export.mlir_export import export_mlir
+from k3compile.export.mlir_run import LinalgModule
+from k3compile.export.onnx_export import export_onnx
+from k3compile.export.trace import ExportOptions, ExportResult
 
-__all__ = ["ExportOptions", "ExportResult", "export_onnx"]
+__all__ = ["ExportOptions", "ExportResult", "LinalgModule", "export_mlir", "export_onnx"]

@@ -1,0 +1,146 @@
+"""One rank's optimized decode program as an MLIR module (torch-mlir).
+
+The program is re-traced as ``k3compile.export.trace`` describes, then imported by
+torch-mlir's fx importer into the torch dialect (``torch-mlir``'s backend contract:
+value-semantics tensors, ``torch.aten.*`` ops), and with ``dialect="linalg"`` lowered to
+linalg-on-tensors as torch-mlir defines it (linalg, tensor, arith, math, and its own
+``tm_tensor`` for scatter and sort). Either way the module holds one function named
+after the phase:
+
+    func.func @decode(input_ids, cu_seqlens, seq_lens, state_slots, block_table,
+                      slot_mapping, logit_indices, cache ...) -> (logits, cache.next ...)
+
+The batch and the block table's width are dynamic (``?``); the caches have the fixed
+shapes of ``ExportOptions``. The weights are embedded as dense resources. The module's
+attributes name the arguments and results (``k3compile.inputs``, ``k3compile.outputs``:
+arrays of strings) and map each cache output to its input (``k3compile.cache_outputs``:
+a dictionary), next to ``k3compile.phase``, ``k3compile.rank`` and
+``k3compile.cache_capacity``.
+
+Two things torch-mlir cannot take are handled before the import:
+
+- a ``cond``: the GEMM dispatch branches on the token count at 16, so at most 15
+  sequences export (each ``cond`` then runs the branch the batch range decides);
+- ``x[i, j]`` with two index tensors of dynamic shape, which its linalg lowering does
+  not legalise: :func:`index_as_one_gather` makes it one gather on a flattened ``x``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from k3compile.export.trace import (
+    ExportOptions,
+    ExportResult,
+    TracedStep,
+    check_output_path,
+    load_exportable,
+    move_into_place,
+    trace_step,
+)
+from k3compile.model.gemm import FAST_MIN_TOKENS
+
+#: the dialects ``export_mlir`` writes: torch-mlir's torch dialect, or its lowering to linalg-on-tensors
+DIALECTS = ("torch", "linalg")
+
+
+def export_mlir(artifact_dir: str | Path, out: str | Path, options: ExportOptions = ExportOptions(),
+                dialect: str = "torch") -> ExportResult:
+    """Write ``options.phase``'s program of ``options.rank`` as an MLIR module in
+    ``dialect`` at ``out`` (module docstring), as text. The module is verified before it
+    is moved into place, so a failed export leaves nothing behind."""
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect: one of {', '.join(DIALECTS)}, got {dialect!r}")
+    if options.external_data:
+        raise ValueError("external_data is for ONNX: an MLIR module embeds its weights as dense resources")
+    out = Path(out)
+    check_output_path(out, ".mlir")
+    _require_torch_mlir()
+    start = time.perf_counter()
+    artifact = load_exportable(artifact_dir, options, "MLIR")
+    _check_branches(artifact.programs[options.phase].graph_module, options)
+    traced = trace_step(artifact, options)
+    module = _import(traced, options, dialect)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        (Path(tmp) / out.name).write_text(str(module))
+        size = move_into_place(Path(tmp), out.parent)
+    return ExportResult(out, time.perf_counter() - start, size, traced.inputs, traced.outputs, traced.cache_outputs)
+
+
+def _require_torch_mlir() -> None:
+    try:
+        import torch_mlir  # noqa: F401
+    except ImportError as e:
+        raise ValueError("MLIR export needs torch-mlir: pip install 'k3compile[mlir]'") from e
+
+
+def _check_branches(gm: torch.fx.GraphModule, options: ExportOptions) -> None:
+    """Refuse a batch range in which the GEMM dispatch's ``cond`` is taken both ways."""
+    if options.max_sequences >= FAST_MIN_TOKENS and any(
+            n.target is torch.ops.higher_order.cond for n in gm.graph.nodes):
+        raise ValueError(f"max_sequences {options.max_sequences}: the {options.phase} program picks its GEMM by the "
+                         f"batch (the tiled GEMM from {FAST_MIN_TOKENS} tokens, k3compile/model/gemm.py), a branch "
+                         "taken at run time that torch-mlir cannot import: export at most "
+                         f"{FAST_MIN_TOKENS - 1} sequences for MLIR")
+
+
+def index_as_one_gather(x: Tensor, indices: list[Tensor | None]) -> Tensor:
+    """``aten.index.Tensor`` with k >= 2 integer index tensors on the leading dims as one
+    index tensor into ``x`` flattened over those dims (negative indices wrapped first);
+    ``NotImplemented`` (no decomposition) for every other indexing."""
+    if len(indices) < 2 or any(i is None or i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return NotImplemented
+    flat = None
+    for dim, index in enumerate(indices):
+        index = torch.where(index < 0, index + x.shape[dim], index).long()
+        flat = index if flat is None else flat * x.shape[dim] + index
+    return x.reshape(-1, *x.shape[len(indices):])[flat]
+
+
+def _import(traced: TracedStep, options: ExportOptions, dialect: str):
+    """The traced program as a verified torch-mlir module in ``dialect``, with the
+    ``k3compile.*`` attributes."""
+    from torch_mlir import fx
+    from torch_mlir.compiler_utils import OutputType, lower_mlir_module
+    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+
+    table = {**get_decomposition_table(), torch.ops.aten.index.Tensor: index_as_one_gather}
+    cond = [n for n in traced.program.graph.nodes if n.target is torch.ops.higher_order.cond]
+    if cond:  # _check_branches refuses the ranges known to leave one
+        raise ValueError(f"the traced program still holds {len(cond)} cond(s), which torch-mlir cannot import")
+    with warnings.catch_warnings():  # torch's own, from inside run_decompositions: nothing a user can act on
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        module = fx.export_and_import(traced.program, output_type="torch", func_name=options.phase,
+                                      decomposition_table=table)
+    with module.context:
+        for key, value in _attributes(traced, options).items():
+            module.operation.attributes[f"k3compile.{key}"] = value
+    if dialect == "linalg":
+        lower_mlir_module(False, OutputType.LINALG_ON_TENSORS, module)
+    module.operation.verify()
+    return module
+
+
+def _attributes(traced: TracedStep, options: ExportOptions) -> dict:
+    """The module's ``k3compile.*`` attributes (module docstring), as MLIR attributes."""
+    from torch_mlir import ir
+
+    def strings(names):
+        return ir.ArrayAttr.get([ir.StringAttr.get(n) for n in names])
+
+    def integer(value: int):
+        return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
+
+    return {
+        "phase": ir.StringAttr.get(options.phase), "rank": integer(options.rank),
+        "inputs": strings(traced.inputs), "outputs": strings(traced.outputs),
+        "cache_outputs": ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in traced.cache_outputs.items()}),
+        "cache_capacity": ir.DictAttr.get({"max_sequences": integer(options.max_sequences),
+                                           "max_context": integer(options.max_context)}),
+    }

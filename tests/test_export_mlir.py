@@ -1,0 +1,173 @@
+"""MLIR export of an artifact's decode program (k3compile/export, issue #25): the
+torch-dialect module has the runtime's signature, and its lowering to linalg-on-tensors,
+run on the CPU by torch-mlir's execution engine, computes what the runtime computes, step
+after step with the caches it returns fed back in."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from cli_runs import assert_one_line_error, invoke
+from k3compile.export import ExportOptions, LinalgModule, export_mlir
+from k3compile.export.mlir_export import index_as_one_gather
+from k3compile.export.trace import STEP_INPUTS
+from k3compile.runtime.engine import Runtime, RuntimeOptions
+
+OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 64 tokens
+# (preset, experts, compile options), as tests/test_export_onnx.py: the CPU pipeline in CI
+# (an export and its compilation take about a minute), the h200 pipeline's fused ops and
+# the all-linear preset in the sweep
+CASES = [("tiny", "mxfp4", {}),
+         pytest.param(("tiny-h24", "mxfp4", {"target": "h200"}), marks=pytest.mark.sweep, id="tiny-h24"),
+         pytest.param(("tiny-linear", "bf16", {}), marks=pytest.mark.sweep, id="tiny-linear")]
+
+
+def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
+    want = want.float().numpy()
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def runtime(artifact) -> Runtime:
+    from k3compile.artifact import load_artifact
+
+    return Runtime(load_artifact(artifact), 0, torch.device("cpu"),
+                   RuntimeOptions(max_sequences=OPTIONS.max_sequences, max_context=OPTIONS.max_context,
+                                  cuda_graphs=False, lowering="eager"))
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
+def linalg(request, compile_once, tmp_path_factory):
+    """(artifact, the compiled LinalgModule, the command's output or None): ``tiny``
+    exported through the command line, the others through the API."""
+    preset, experts, options = request.param
+    artifact = compile_once(preset, experts, dtype="float32", validate=False, **options).out_dir
+    out = tmp_path_factory.mktemp("mlir") / f"{preset}.mlir"
+    stdout = None
+    if preset == "tiny":
+        run = invoke("export", artifact, "-o", out, "--format", "mlir", "--dialect", "linalg", "--max-sequences",
+                     OPTIONS.max_sequences, "--max-context", OPTIONS.max_context)
+        assert run.exit_code == 0, run.output
+        stdout = run.stdout
+    else:
+        export_mlir(artifact, out, OPTIONS, dialect="linalg")
+    return artifact, LinalgModule(out), stdout
+
+
+def test_the_linalg_module_steps_equal_the_runtime_with_caches_fed_back(linalg):
+    """Three prompts prefilled by the runtime, then five greedy decode steps, the batch
+    (3) not the traced one (2): each step's logits and every updated cache from the
+    execution engine equal the runtime's (its program on its own caches) within 1e-5
+    relative; the engine's caches come from its previous step."""
+    artifact, module, _ = linalg
+    rt = runtime(artifact)
+    ids, logits = rt.prefill([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42, 7], [3]])
+    assert module.inputs[:len(STEP_INPUTS)] == list(STEP_INPUTS)
+    caches = {n: t.numpy().copy() for n, t in zip(module.inputs[len(STEP_INPUTS):], rt.cache_tensors, strict=True)}
+    cache_outputs = module.metadata["k3compile.cache_outputs"]
+    tokens = logits.argmax(-1).tolist()
+    for _ in range(5):
+        rt.table.reserve(ids, [1] * len(ids))
+        batch = rt.table.make_batch(ids, [1] * len(ids), True, device=rt.device)
+        step = (torch.tensor(tokens), batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
+                batch.slot_mapping, batch.logit_indices)
+        want = rt._run("decode", step[0], batch)
+        rt.table.advance(ids, [1] * len(ids))
+        outputs = module.run({**{n: t.numpy() for n, t in zip(STEP_INPUTS, step)}, **caches})
+        assert list(outputs) == module.outputs
+        assert outputs["logits"].shape == tuple(want.shape) and relative_error(outputs["logits"], want) < 1e-5
+        for name, cache in zip(module.outputs[1:], rt.cache_tensors, strict=True):
+            got = outputs[name]
+            assert relative_error(got, cache) < 1e-5 or np.abs(got - cache.numpy()).max() == 0, name
+            caches[cache_outputs[name]] = got
+        tokens = want.argmax(-1).tolist()
+
+
+def test_the_torch_dialect_module_has_the_runtime_signature(compile_once, tmp_path):
+    """The default dialect: one function ``@decode`` whose arguments are the step's
+    tensors (batch and block table width dynamic) and the caches at their runtime shapes,
+    whose results are the logits and the caches; only torch-mlir's own ops (every k3 op
+    decomposed, no cond); the weights embedded; the names and the cache mapping in the
+    module's attributes. The runner refuses it: it runs linalg modules."""
+    artifact = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
+    result = export_mlir(artifact, tmp_path / "tiny.mlir", OPTIONS)
+    text = result.path.read_text()
+    assert result.file_bytes == result.path.stat().st_size
+    rt = runtime(artifact)
+    caches = [f"!torch.vtensor<[{','.join(map(str, c.shape))}],f32>" for c in rt.cache_tensors]
+    steps = ["[?],si64", "[?],si32", "[?],si32", "[?],si64", "[?,?],si32", "[?],si64", "[?],si64"]
+    arguments = [f"!torch.vtensor<{s}>" for s in steps] + caches
+    vocab = rt.artifact.info.config.vocab_size
+    signature = (", ".join(f"%arg{i}: {t}" for i, t in enumerate(arguments))
+                 + f") -> ({', '.join([f'!torch.vtensor<[?,{vocab}],f32>', *caches])})")
+    assert f"func.func @decode({signature}" in text
+    assert "torch.operator" not in text and "k3." not in text and "torch.prim.If" not in text
+    assert "dense_resource<" in text
+    names = '", "'.join(result.inputs)
+    assert f'k3compile.inputs = ["{names}"]' in text
+    for output, cache in result.cache_outputs.items():
+        assert f'{output} = "{cache}"' in text
+    assert 'k3compile.phase = "decode"' in text and "k3compile.rank = 0 : i64" in text
+    with pytest.raises(ValueError, match="a torch-dialect module; export it with --dialect linalg to run it"):
+        LinalgModule(result.path)
+
+
+def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_path):
+    """The ONNX export's refusals (prefill, TP2, FP8 MLA caches, a rank out of range), a
+    batch range in which the GEMM dispatch would branch at run time, and options that are
+    not MLIR's: each a clear error, no file written."""
+    tp1 = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
+    tp2 = compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir
+    fp8 = compile_once("tiny", "mxfp4", dtype="float32", kv_cache_dtype="fp8").out_dir
+    out = tmp_path / "m.mlir"
+    with pytest.raises(ValueError, match=r"k3 ops .*kda_prefill.* have no decomposition .*only the decode phase"):
+        export_mlir(tp1, out, ExportOptions(phase="prefill"))
+    with pytest.raises(ValueError, match=r"collectives \(.*all_reduce.*\), which MLIR cannot express: export a TP1"):
+        export_mlir(tp2, out, OPTIONS)
+    with pytest.raises(ValueError, match=r"MLA caches are float8_e4m3fn, .* to MLIR yet: compile with "
+                                         r"--kv-cache-dtype auto"):
+        export_mlir(fp8, out, OPTIONS)
+    with pytest.raises(ValueError, match=r"rank 1: the artifact has ranks 0..0"):
+        export_mlir(tp1, out, ExportOptions(rank=1))
+    with pytest.raises(ValueError, match=r"max_sequences 16: the decode program picks its GEMM by the batch .* "
+                                         r"at most 15 sequences for MLIR"):
+        export_mlir(tp1, out, ExportOptions(max_sequences=16))
+    with pytest.raises(ValueError, match=r"must end in \.mlir"):
+        export_mlir(tp1, tmp_path / "m.onnx", OPTIONS)
+    with pytest.raises(ValueError, match="dialect: one of torch, linalg, got 'tosa'"):
+        export_mlir(tp1, out, OPTIONS, dialect="tosa")
+    with pytest.raises(ValueError, match="external_data is for ONNX"):
+        export_mlir(tp1, out, ExportOptions(external_data=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_says_what_it_wrote_and_refuses_bad_options(linalg, tmp_path):
+    """``k3compile export --format mlir`` (the ``tiny`` case) says what it wrote; a bad
+    option is one line on stderr and nothing written."""
+    artifact, _, stdout = linalg
+    if stdout is None:
+        pytest.skip("the command line exports the tiny case")
+    assert re.search(r"wrote .*tiny\.mlir \(\d+\.\d MiB\) in \d+\.\d s: 7 step inputs and 19 caches in, the logits "
+                     r"and 19 caches out", " ".join(stdout.split()))
+    assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.mlir", "--format", "mlir", "--dialect",
+                                 "tosa"), "--dialect: unknown dialect 'tosa'; choose one of torch, linalg")
+    assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.mlir", "--format", "mlir",
+                                 "--external-data"), "--external-data: ONNX only")
+    assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.onnx", "--dialect", "linalg"),
+                          "--dialect linalg: MLIR only")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_index_tensors_become_one_gather():
+    """The form that replaces ``x[i, j]`` for torch-mlir's linalg lowering: equal to the
+    indexing, negative indices included; other indexing is left alone."""
+    x = torch.randn(5, 4, 3)
+    i, j = torch.tensor([[0, 4], [-1, 2]]), torch.tensor([[3, -4], [1, 0]])
+    assert torch.equal(index_as_one_gather(x, [i, j]), x[i, j])
+    assert torch.equal(index_as_one_gather(x, [i, j, torch.tensor(2)]), x[i, j, 2])
+    assert index_as_one_gather(x, [i]) is NotImplemented
+    assert index_as_one_gather(x, [None, j]) is NotImplemented
+    assert index_as_one_gather(x, [x[:, 0, 0] > 0, j[0]]) is NotImplemented
