@@ -94,6 +94,14 @@ def test_register_cap_is_passed_to_nvidia_and_refused_for_amd(aot_reports):
         aot.compile_many([aot.CompileRequest(_matmul_kernel, MATMUL_SIG, SMALL, "gfx950", max_registers=64)])
 
 
+def test_equal_requests_compile_once():
+    """Requests built separately but equal share one compile (one result object); a
+    request that differs in any field (here the warps) gets its own."""
+    make = lambda warps: aot.CompileRequest(_add_kernel, dict(ADD[0]), dict(ADD[1]), "gfx942", warps)  # noqa: E731
+    a, b, c = aot.compile_many([make(4), make(4), make(8)])
+    assert a is b and c is not a and a.fits and c.fits
+
+
 #: torch dtypes of the pointer element types the launches use
 _ELEMENT_DTYPES = {**{name: dtype for dtype, name in aot.TRITON_DTYPES.items()},
                    "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8, "i8": torch.int8}

@@ -49,7 +49,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import triton
@@ -278,10 +278,24 @@ def compile_many(requests: Sequence[CompileRequest | AsmRequest]) -> list[Kernel
     modules)."""
     for r in requests:
         _check_request(_compile_request(r))
+    distinct = list({_identity(r): r for r in requests}.values())  # each compiled once
     if _language_interpreted():
-        return [d if isinstance(r, AsmRequest) else KernelResources(**d)
-                for r, d in zip(requests, _compile_in_subprocess(requests), strict=True)]
-    return [_compile_one(r) for r in requests]
+        done = [d if isinstance(r, AsmRequest) else KernelResources(**d)
+                for r, d in zip(distinct, _compile_in_subprocess(distinct), strict=True)]
+    else:
+        done = [_compile_one(r) for r in distinct]
+    by_identity = {_identity(r): d for r, d in zip(distinct, done, strict=True)}
+    return [by_identity[_identity(r)] for r in requests]
+
+
+def _identity(r: CompileRequest | AsmRequest) -> str:
+    """Equal for requests that compile to the same thing (the kernel by its module and
+    name, every other field by value)."""
+    if isinstance(r, AsmRequest):
+        return f"asm {r.kind} {_identity(r.request)}"
+    fn = getattr(r.fn, "fn", r.fn)  # a JITFunction's Python function
+    rest = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "fn"}
+    return f"{fn.__module__}.{fn.__qualname__} {rest!r}"
 
 
 def _check_request(r: CompileRequest) -> None:
