@@ -106,7 +106,7 @@ def main() -> None:
                "k3 expanded ms": round(timed(lambda: ex.mla_prefill_expanded(x["q"], x["cache"], x["kv_b"], x["cu"],
                                                                               x["table"], x["seq_lens"], scale,
                                                                               counts)), 2),
-               "expanded kernel alone ms": round(timed(lambda: ex.expanded_attention(x["q"], ctx, x["cu"], scale, T)), 2),
+               "expanded kernel alone ms": round(timed(lambda: ex.expanded_attention(x["q"], ctx, x["cu"], x["seq_lens"], scale, T)), 2),
                "absorbed kernel alone ms": round(timed(absorbed), 2),
                "expanded + SDPA ms": round(timed(lambda: expanded(x, scale)), 2),
                "SDPA alone ms": round(timed(lambda: expanded(x, scale, decompress=False, kv=kv)), 2),
@@ -117,7 +117,7 @@ def main() -> None:
             for cfg in SWEEP:
                 try:
                     row[f"expanded {tuple(vars(cfg).values())} ms"] = round(
-                        timed(lambda: ex.expanded_attention(x["q"], ctx, x["cu"], scale, T, cfg)), 2)
+                        timed(lambda: ex.expanded_attention(x["q"], ctx, x["cu"], x["seq_lens"], scale, T, cfg)), 2)
                 except Exception as e:  # out of resources: say so and go on
                     row[f"expanded {tuple(vars(cfg).values())} ms"] = type(e).__name__
         C, K = 1536, 4

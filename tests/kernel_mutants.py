@@ -61,7 +61,7 @@ CACHE_WRITE_FP8 = Selection("tests/test_kernel_mla_fp8.py", "fp8_cache_write_ker
 MLA_INPUT = Selection("tests/test_kernel_mla_input_proj.py", "row_strided_product or consecutive_weights")
 MOE_INPUT = Selection("tests/test_kernel_moe_input.py", "one_product or consecutive")
 KDA_PREFILL = Selection("tests/test_kernel_kda_prefill.py", "residue or continuation or stronger or slices")
-MLA_EXPANDED = Selection("tests/test_kernel_mla_prefill_expanded.py", "matches_reference or residue or fp8")
+MLA_EXPANDED = Selection("tests/test_kernel_mla_prefill_expanded.py", "matches_reference or residue or fp8 or windows")
 PREFILL_PARTIAL = Selection("tests/test_kernel_mla_decode.py", "prefill_partial")
 SHORT_CONV = Selection("tests/test_kernel_short_conv.py", "ragged")
 
@@ -201,6 +201,9 @@ MUTANTS = [
     Mutant("mla_expanded_unmasked_too_far", "runtime/kernels/mla_prefill_expanded.py",
            "unmasked = (history + m0 + 1) // BLOCK_N * BLOCK_N", "unmasked = (history + m0 + BLOCK_N) // BLOCK_N * BLOCK_N",
            MLA_EXPANDED, "expanded MLA prefill: the tile holding the diagonal runs without the causal mask"),
+    Mutant("mla_expanded_window_max_restarts", "runtime/kernels/mla_prefill_expanded.py",
+           "m_i = tl.load(m_ptr + state, mask=row_ok, other=0.0)", "m_i = tl.full([BLOCK_M], 0.0, tl.float32)",
+           MLA_EXPANDED, "expanded MLA prefill: a later window forgets the running max of the earlier ones"),
     Mutant("prefill_partial_global_limits", "runtime/kernels/mla_attention.py",
            "row_end = _local_length(row_end, cycle, interleave, tl.load(position_offset_ptr).to(tl.int32))",
            "row_end = row_end  # mutant", PREFILL_PARTIAL,

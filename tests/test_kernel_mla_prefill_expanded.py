@@ -125,3 +125,35 @@ def test_op_runs_the_form_it_picks():
         want = mla_prefill_reference(q.cpu(), without_poison(cache).cpu(), kv_b.cpu(), cu.cpu(), table.cpu(),
                                      seq_lens.cpu(), 0.3)
         assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_bound_the_decompressed_context(dtype):
+    """Contexts over several windows of 64 positions: histories ending inside a window and
+    on its edge, new tokens spanning a window's edge, a sequence that ends before the last
+    windows, one without new tokens. One launch per window; equal to the reference, and to
+    the one-window result up to the order of its fp32 sums."""
+    new = [70, 1, 0, 9, 64]
+    contexts = [70, 200, 130, 9 + 128, 64 + 100]
+    q, cache, kv_b, cu, table, seq_lens = prefill_case(contexts, new, dtype, seed=11)
+    counts = ex.prefill_counts(cu, seq_lens)
+    whole = ex.mla_prefill_expanded(q, cache, kv_b, cu, table, seq_lens, 0.3, counts)
+    reset_kernel_launches()
+    got = ex.mla_prefill_expanded(q, cache, kv_b, cu, table, seq_lens, 0.3, counts, window=64)
+    assert kernel_launches() == {"_mla_expanded_kernel": 4}  # positions 0-255
+    want = mla_prefill_reference(q.cpu(), without_poison(cache).cpu(), kv_b.cpu(), cu.cpu(), table.cpu(),
+                                 seq_lens.cpu(), 0.3)
+    assert rel_err(got, want) <= tolerance(dtype)
+    assert rel_err(got, whole) <= (1e-6 if dtype == torch.float32 else 2.0**-7)
+    for i in range(len(new)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if new[i]:
+            assert rel_err(got[rows], want[rows]) <= 2 * tolerance(dtype), i
+
+
+def test_a_window_off_the_kernels_tiles_is_refused_before_any_launch():
+    q, cache, kv_b, cu, table, seq_lens = prefill_case([40, 90], [40, 3], torch.float32)
+    reset_kernel_launches()
+    with pytest.raises(ValueError, match="window 48: a positive multiple of the kernel's 32 positions"):
+        ex.mla_prefill_expanded(q, cache, kv_b, cu, table, seq_lens, 0.3, ex.prefill_counts(cu, seq_lens), window=48)
+    assert kernel_launches() == {}

@@ -338,7 +338,7 @@ def _mla_prefill(target: str, s: StepShapes) -> list[PlannedLaunch]:
     # q [T, H, nope + rope]; the decompressed keys / values [P, H, nope + value]; k_pe rows of the gathered cache
     launch = aot.specialised(launch, stride_qt=H * nope_rope, stride_qh=nope_rope, stride_kvp=H * nope_value,
                              stride_kvh=nope_value, stride_pep=s.mla_rope, stride_ot=H * s.mla_value,
-                             stride_oh=s.mla_value)
+                             stride_oh=s.mla_value, w_start=0, w_end=s.context)
     return [PlannedLaunch("prefill", "mla prefill (expanded)", launch, programs,
                           f"{config.block_m} tokens x {config.block_n} positions a step")]
 
