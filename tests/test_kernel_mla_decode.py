@@ -461,7 +461,8 @@ def test_num_splits_fill_the_gpu():
 
 
 #: launches that read no cache: built once per target, with the bf16 cache's
-CACHE_FREE = ("mla_decode_combine_splits", "mla_prefill_expanded")
+CACHE_FREE = ("mla_decode_combine_splits", "mla_prefill_expanded", "mla_prefill_expanded_window_first",
+              "mla_prefill_expanded_window_middle", "mla_prefill_expanded_window_last")
 
 
 def _k3_builds() -> list[tuple[aot.KernelLaunch, str]]:

@@ -135,8 +135,8 @@ def aot_launches(target: str, qk_dim: int = 576, value_dim: int = 512, dtype: to
     a ``kv_dtype`` cache (default ``dtype``; an FP8 format: the FP8 layout), for AOT checks
     with aot.compile_for_target: the split-KV kernel once per head tile
     (``mla_decode_split_kv_h16`` ...), the generic and prefill kernels, the split combine
-    and the expanded prefill kernel (which read no cache: the same for every cache) at
-    K3's per-head widths."""
+    and the expanded prefill kernel's variants (which read no cache: the same for every
+    cache) at K3's per-head widths."""
     return [*split_kv_aot_launches(target, qk_dim, value_dim, dtype, kv_dtype),
             *attention_aot_launches(target, qk_dim, value_dim, dtype, kv_dtype),
-            combine_aot_launch(value_dim, dtype, num_splits), expanded.aot_launch(target, dtype)]
+            combine_aot_launch(value_dim, dtype, num_splits), *expanded.aot_launches(target, dtype)]

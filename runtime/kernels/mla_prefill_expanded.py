@@ -324,13 +324,21 @@ def prefill_form(counts: PrefillCounts, heads: int, latent: int, rope: int, nope
 
 
 def aot_launch(target: str, dtype: torch.dtype = torch.bfloat16, nope: int = 128, rope: int = 64,
-               value: int = 128) -> KernelLaunch:
-    """The kernel as :func:`mla_prefill_expanded` specialises it on ``target`` at K3's widths,
-    for contexts of one window (the windowed variants differ only in their state's loads and
-    stores)."""
+               value: int = 128, first: bool = True, last: bool = True) -> KernelLaunch:
+    """The kernel as :func:`mla_prefill_expanded` specialises it on ``target`` at K3's widths:
+    by default for contexts of one window; ``first`` / ``last`` False: a window that
+    continues / leaves the softmax state (named ``mla_prefill_expanded_window_*``)."""
     t = TRITON_DTYPES[dtype]
     config = expanded_config(target, dtype)
-    c = {**_constexprs(nope, rope, value, dtype, config, interpreted=False), "FIRST": True, "LAST": True}
+    c = {**_constexprs(nope, rope, value, dtype, config, interpreted=False), "FIRST": first, "LAST": last}
     ptrs = {"q_ptr": t, "kv_ptr": t, "pe_ptr": t, "cu_q_ptr": "i32", "cu_kv_ptr": "i32", "ctx_ptr": "i32", "o_ptr": t,
             "m_ptr": "fp32", "l_ptr": "fp32", "acc_ptr": "fp32"}
-    return _kernel_launch("mla_prefill_expanded", _mla_expanded_kernel, ptrs, c, config.num_warps, config.num_stages)
+    name = "mla_prefill_expanded" if first and last else \
+        f"mla_prefill_expanded_window_{'first' if first else 'last' if last else 'middle'}"
+    return _kernel_launch(name, _mla_expanded_kernel, ptrs, c, config.num_warps, config.num_stages)
+
+
+def aot_launches(target: str, dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
+    """The kernel's four variants (one window; a context's first, middle and last window)."""
+    return [aot_launch(target, dtype, first=f, last=la) for f, la in ((True, True), (True, False), (False, False),
+                                                                     (False, True))]
