@@ -115,6 +115,31 @@ def test_the_torch_dialect_module_has_the_runtime_signature(compile_once, tmp_pa
         LinalgModule(result.path)
 
 
+def test_kept_k3_ops_are_torch_operators(compile_once, tmp_path):
+    """``k3_ops="keep"``: every k3 op call of the stored program is one ``torch.operator``
+    (``torch.k3.<name>``, or ``torch.k3_functional.<name>`` for an op that updates a cache
+    in place), nothing else is a ``torch.operator``, and the module keeps the signature's
+    attributes and names each op's torch reference."""
+    from collections import Counter
+
+    from k3compile.artifact import load_artifact
+    from k3compile.export.custom_ops import kept_signature
+
+    artifact = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
+    result = export_mlir(artifact, tmp_path / "tiny.mlir", ExportOptions(**{**OPTIONS.__dict__, "k3_ops": "keep"}))
+    text = result.path.read_text()
+    program = load_artifact(artifact).programs["decode"].graph_module
+    stored = Counter(str(n.target).split(".")[1] for n in program.graph.nodes
+                     if n.op == "call_function" and str(n.target).startswith("k3."))
+    operators = Counter(re.findall(r'torch\.operator "([^"]+)"', text))
+    want = Counter({f"torch.{'k3_functional' if kept_signature(n).mutated else 'k3'}.{n}": c
+                    for n, c in stored.items()})
+    assert operators == want and any("k3_functional" in n for n in operators)
+    names = '", "'.join(result.inputs)
+    assert f'k3compile.inputs = ["{names}"]' in text and 'k3compile.k3_ops = "keep"' in text
+    assert 'rms_norm = "k3compile.ops.norm.rms_norm"' in text
+
+
 def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_path):
     """The ONNX export's refusals (prefill, TP2, FP8 MLA caches, a rank out of range), a
     batch range in which the GEMM dispatch would branch at run time, and options that are
@@ -141,6 +166,8 @@ def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_pa
         export_mlir(tp1, out, OPTIONS, dialect="tosa")
     with pytest.raises(ValueError, match="external_data is for ONNX"):
         export_mlir(tp1, out, ExportOptions(external_data=True))
+    with pytest.raises(ValueError, match="kept k3 ops export to the torch dialect only"):
+        export_mlir(tp1, out, ExportOptions(k3_ops="keep"), dialect="linalg")
     assert list(tmp_path.iterdir()) == []
 
 

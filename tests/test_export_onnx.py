@@ -15,6 +15,7 @@ import torch
 
 from cli_runs import assert_one_line_error, invoke
 from k3compile.export import ExportOptions, ExportResult, export_onnx
+from k3compile.export.custom_ops import K3_DOMAIN, kept_signature
 from k3compile.export.decompositions import decode_mxfp4, k3_op_definitions, sigmoid_topk_route
 from k3compile.export.onnx_export import STEP_INPUTS
 from k3compile.runtime.engine import Runtime, RuntimeOptions
@@ -22,8 +23,9 @@ from k3compile.runtime.engine import Runtime, RuntimeOptions
 OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 64 tokens
 # (preset, experts, compile options): the CPU pipeline, and the h200 pipeline whose fused
 # ops (KDA decode with its projections, MLA input projection, padded heads, AttnRes mix
-# and norm) the CPU runs as their references
-CASES = [("tiny", "mxfp4", {}), ("tiny-h24", "mxfp4", {"target": "h200"}), ("tiny-linear", "bf16", {})]
+# and norm) the CPU runs as their references, in CI; the all-linear preset in the sweep
+CASES = [("tiny", "mxfp4", {}), ("tiny-h24", "mxfp4", {"target": "h200"}),
+         pytest.param(("tiny-linear", "bf16", {}), marks=pytest.mark.sweep, id="tiny-linear")]
 
 
 def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
@@ -31,7 +33,7 @@ def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
 def exported(request, compile_once, tmp_path_factory):
     """(artifact, ExportResult, the command's output or None): ``tiny`` through the command
     line with its weights as external data, the others through the API, weights embedded."""
@@ -49,6 +51,21 @@ def exported(request, compile_once, tmp_path_factory):
     result = ExportResult(out, 0.0, files, tuple(i.name for i in model.graph.input),
                           tuple(o.name for o in model.graph.output), cache_outputs)
     return artifact, result, run.stdout
+
+
+@pytest.fixture(scope="module")
+def kept(exported, tmp_path_factory):
+    """The same artifact exported with its k3 ops kept (``--keep-k3-ops``): ``tiny``
+    through the command line, the others through the API."""
+    artifact, result, stdout = exported
+    out = tmp_path_factory.mktemp("onnx-kept") / result.path.name
+    if stdout is None:
+        export_onnx(artifact, out, ExportOptions(**{**OPTIONS.__dict__, "k3_ops": "keep"}))
+    else:
+        run = invoke("export", artifact, "-o", out, "--keep-k3-ops", "--max-sequences", OPTIONS.max_sequences,
+                     "--max-context", OPTIONS.max_context)
+        assert run.exit_code == 0, run.output
+    return onnx.load(str(out))
 
 
 def test_the_model_passes_the_full_check_and_names_its_cache_outputs(exported):
@@ -137,6 +154,8 @@ def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_pa
         export_onnx(tp1, tmp_path / "m.txt", OPTIONS)
     with pytest.raises(ValueError, match="phase: one of decode, prefill"):
         ExportOptions(phase="train")
+    with pytest.raises(ValueError, match="k3_ops: one of decompose, keep, got 'inline'"):
+        ExportOptions(k3_ops="inline")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -155,3 +174,59 @@ def test_weights_embedded_or_external(exported, tmp_path):
     assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.onnx", "--format", "tflite"),
                           "--format: unknown format 'tflite'; choose one of onnx, mlir")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_kept_k3_ops_are_one_k3_node_a_call(exported, kept):
+    """``--keep-k3-ops``: the ``k3`` nodes are the stored program's k3 op calls (as a
+    multiset), with their registered schemas the full check passes, the decompositions'
+    forms (routing's TopK, the cache writes' ScatterND) are gone, the metadata names each
+    op's torch reference, and the inputs, outputs and cache mapping are the decomposed
+    model's. ONNX Runtime has no kernels for the domain."""
+    from collections import Counter
+
+    from k3compile.artifact import load_artifact
+
+    artifact, result, _ = exported
+    def tensors(args) -> int:
+        return sum(len(a) if isinstance(a, (list, tuple)) else 1 for a in args
+                   if isinstance(a, (torch.fx.Node, list, tuple)))
+
+    program = load_artifact(artifact).programs["decode"].graph_module
+    calls = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target).startswith("k3.")]
+    stored = Counter(str(n.target).split(".")[1] for n in calls)
+    nodes = [n for n in kept.graph.node if n.domain == K3_DOMAIN]
+    assert Counter(n.op_type for n in nodes) == stored
+    assert Counter((n.op_type, len(n.input)) for n in nodes) == \
+           Counter((str(n.target).split(".")[1], tensors(n.args)) for n in calls)  # a tensor input each
+    assert {n.domain for n in kept.graph.node} == {"", K3_DOMAIN}
+    assert {"TopK", "ScatterND"}.isdisjoint(n.op_type for n in kept.graph.node)
+    onnx.checker.check_model(kept, full_check=True)
+    for node in kept.graph.node:
+        if node.domain == K3_DOMAIN:
+            signature = kept_signature(node.op_type)
+            assert len(node.output) == len(signature.outputs)
+            assert {a.name for a in node.attribute} == {a for a, _ in signature.attributes}
+    assert {o.domain: o.version for o in kept.opset_import}[K3_DOMAIN] == 1
+    decomposed = onnx.load(str(result.path), load_external_data=False)
+    for field in ("input", "output"):
+        assert [(v.name, v.type) for v in getattr(kept.graph, field)] == \
+               [(v.name, v.type) for v in getattr(decomposed.graph, field)]
+    meta = {p.key: p.value for p in kept.metadata_props}
+    assert json.loads(meta["k3compile.cache_outputs"]) == result.cache_outputs and meta["k3compile.k3_ops"] == "keep"
+    references = json.loads(meta["k3compile.k3_op_references"])
+    assert references.keys() == stored.keys()
+    assert all(r.startswith("k3compile.ops.") and r.endswith(f".{n}") for n, r in references.items())
+    with pytest.raises(Exception, match=r"k3:\w+\(-1\) is not a registered function/op"):
+        ort.InferenceSession(kept.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_kept_signatures_follow_the_torch_schemas():
+    """Tensor arguments in order with a Tensor[] last (ONNX's variadic input), scalars as
+    attributes, and one ``<argument>_out`` output per argument the op updates in place."""
+    mix = kept_signature("attn_res_mix")
+    assert (mix.inputs, mix.tensor_list, mix.attributes) == (("partial", "proj", "norm"), "blocks", (("eps", "FLOAT"),))
+    conv = kept_signature("short_conv_decode")
+    assert conv.mutated == ("conv_state",) and conv.outputs == ("output", "conv_state_out")
+    assert kept_signature("mla_cache_write").outputs == ("kv_cache_out",)
+    assert kept_signature("sigmoid_topk_route").attributes == (("top_k", "INT"), ("renormalize", "INT"),
+                                                               ("scaling", "FLOAT"))

@@ -37,8 +37,15 @@ def export_command(
     dialect: Annotated[str, typer.Option(help="MLIR: torch (torch-mlir's torch dialect) or linalg (lowered to "
                                               "linalg-on-tensors, which k3compile.export.LinalgModule runs). "
                                               "Example: --dialect linalg")] = "torch",
+    keep_k3_ops: Annotated[bool, typer.Option("--keep-k3-ops/--decompose-k3-ops",
+                                              help="Keep every k3 op call as one custom op (ONNX: a node of the "
+                                                   "domain k3 with a registered schema; MLIR, torch dialect only: "
+                                                   "torch.operator \"torch.k3.NAME\") instead of decomposing it "
+                                                   "into standard operators. No runtime has kernels for them: "
+                                                   "ONNX Runtime cannot run such a model. Example: --keep-k3-ops")]
+    = False,
 ) -> None:
-    """Export an artifact's decode program, its k3 ops decomposed into standard operators.
+    """Export an artifact's decode program, its k3 ops decomposed into standard operators (or kept: --keep-k3-ops).
 
     The inputs are the runtime's decode-step tensors and every cache; the outputs the logits and every cache after the step (named CACHE.next), so a caller feeds them back in. The batch and the block table's width are dynamic. Collectives have no ONNX or MLIR form: TP > 1 artifacts are refused. docs/export.md has worked examples.
 
@@ -49,6 +56,10 @@ def export_command(
     Example: k3compile export ./tiny.k3c --format onnx -o tiny_decode.onnx
 
     Example: k3compile export ./tiny.k3c --format mlir --dialect linalg -o tiny_decode.mlir
+
+    With --keep-k3-ops every k3 op call stays one custom op, whose semantics are its torch reference in k3compile/ops (the metadata k3compile.k3_op_references names it): a file to read (Netron) or for a runtime that implements the k3 ops itself; ONNX Runtime and LinalgModule cannot run it.
+
+    Example: k3compile export ./tiny.k3c --keep-k3-ops -o tiny_decode_k3.onnx
     """
     from k3compile.artifact import ArtifactError
     from k3compile.export import ExportOptions, export_mlir, export_onnx
@@ -64,7 +75,8 @@ def export_command(
         if format == "onnx" and dialect != "torch":
             raise UserError(f"--dialect {dialect}: MLIR only (add --format mlir)")
         options = ExportOptions(phase=choice(phase, ("decode", "prefill"), "--phase", "phase"), rank=rank,
-                                max_sequences=max_sequences, max_context=max_context, external_data=external_data)
+                                max_sequences=max_sequences, max_context=max_context, external_data=external_data,
+                                k3_ops="keep" if keep_k3_ops else "decompose")
         with console.status(f"exporting the {phase} program of rank {rank}"):
             if format == "onnx":
                 result = export_onnx(out, output, options)

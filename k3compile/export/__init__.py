@@ -3,7 +3,9 @@
 ``export_onnx``: one rank's decode program as an ONNX model whose k3 ops are decomposed
 into standard operators and whose caches are inputs and outputs. ``export_mlir``: the
 same program as an MLIR module, in torch-mlir's torch dialect or lowered to
-linalg-on-tensors, which ``LinalgModule`` runs on the CPU (docs/export.md).
+linalg-on-tensors, which ``LinalgModule`` runs on the CPU (docs/export.md). With
+``ExportOptions(k3_ops="keep")`` the k3 ops stay custom ops instead
+(``k3compile.export.custom_ops``).
 """
 
 from k3compile.export.mlir_export import export_mlir

@@ -114,7 +114,7 @@ def decomposition(name: str) -> Callable[..., object]:
 
 def missing_decompositions(gm: torch.fx.GraphModule) -> list[str]:
     """The k3 ops of ``gm`` (its top-level graph) that :func:`decomposition` cannot give, sorted."""
-    return sorted({_k3_name(n.target) for n in gm.graph.nodes if _is_k3(n)} & NOT_DECOMPOSED)
+    return sorted({k3_name(n.target) for n in gm.graph.nodes if _is_k3(n)} & NOT_DECOMPOSED)
 
 
 class DecomposedK3Ops(TorchFunctionMode):
@@ -124,14 +124,14 @@ class DecomposedK3Ops(TorchFunctionMode):
     operators only, and the in-place cache updates as input mutations."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = _k3_name(func)
+        name = k3_name(func)
         if name is None:
             return func(*args, **(kwargs or {}))
         with self:
             return decomposition(name)(*args, **(kwargs or {}))
 
 
-def _k3_name(func: object) -> str | None:
+def k3_name(func: object) -> str | None:
     """The op name of a k3 op overload or packet, else None."""
     if isinstance(func, torch._ops.OpOverload) and func.namespace == "k3":
         return func._schema.name.split("::")[1]
@@ -141,4 +141,4 @@ def _k3_name(func: object) -> str | None:
 
 
 def _is_k3(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and _k3_name(node.target) is not None
+    return node.op == "call_function" and k3_name(node.target) is not None

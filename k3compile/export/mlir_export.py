@@ -17,6 +17,13 @@ arrays of strings) and map each cache output to its input (``k3compile.cache_out
 a dictionary), next to ``k3compile.phase``, ``k3compile.rank`` and
 ``k3compile.cache_capacity``.
 
+With ``ExportOptions(k3_ops="keep")`` (torch dialect only) every k3 op call stays one op,
+``torch.operator "torch.k3.<name>"`` (``"torch.k3_functional.<name>"`` for the ops that
+update a cache: ``k3compile.export.custom_ops``), and the module is the fx importer's
+torch dialect as imported: torch-mlir's backend pipeline cannot take ops it has no shape
+functions for, so it does not run, and nothing lowers the module to linalg. The attribute
+``k3compile.k3_op_references`` names each kept op's torch reference.
+
 Two things torch-mlir cannot take are handled before the import:
 
 - a ``cond``: the GEMM dispatch branches on the token count at 16, so at most 15
@@ -35,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from k3compile.export.custom_ops import kept_calls, reference
 from k3compile.export.trace import (
     ExportOptions,
     ExportResult,
@@ -59,6 +67,9 @@ def export_mlir(artifact_dir: str | Path, out: str | Path, options: ExportOption
         raise ValueError(f"dialect: one of {', '.join(DIALECTS)}, got {dialect!r}")
     if options.external_data:
         raise ValueError("external_data is for ONNX: an MLIR module embeds its weights as dense resources")
+    if options.k3_ops == "keep" and dialect != "torch":
+        raise ValueError(f"kept k3 ops export to the torch dialect only: torch-mlir has no lowering of them to "
+                         f"{dialect} (export with dialect torch, or decompose the k3 ops)")
     out = Path(out)
     check_output_path(out, ".mlir")
     _require_torch_mlir()
@@ -116,8 +127,8 @@ def _import(traced: TracedStep, options: ExportOptions, dialect: str):
         raise ValueError(f"the traced program still holds {len(cond)} cond(s), which torch-mlir cannot import")
     with warnings.catch_warnings():  # torch's own, from inside run_decompositions: nothing a user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-        module = fx.export_and_import(traced.program, output_type="torch", func_name=options.phase,
-                                      decomposition_table=table)
+        module = fx.export_and_import(traced.program, output_type="torch" if options.k3_ops == "decompose" else "raw",
+                                      func_name=options.phase, decomposition_table=table)
     with module.context:
         for key, value in _attributes(traced, options).items():
             module.operation.attributes[f"k3compile.{key}"] = value
@@ -137,7 +148,11 @@ def _attributes(traced: TracedStep, options: ExportOptions) -> dict:
     def integer(value: int):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
 
+    kept = sorted(set(kept_calls(traced.program)))
+    references = {"k3_op_references": ir.DictAttr.get({n: ir.StringAttr.get(reference(n)) for n in kept})} \
+        if kept else {}
     return {
+        **references, "k3_ops": ir.StringAttr.get(options.k3_ops),
         "phase": ir.StringAttr.get(options.phase), "rank": integer(options.rank),
         "inputs": strings(traced.inputs), "outputs": strings(traced.outputs),
         "cache_outputs": ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in traced.cache_outputs.items()}),

@@ -13,6 +13,11 @@ step.
 
 B and the block table's width are dynamic. FP8 MLA caches are refused (their rows are
 bytes reinterpreted in place, which the ONNX translator cannot express yet).
+
+With ``ExportOptions(k3_ops="keep")`` every k3 op call is one node of the ONNX domain
+``k3`` instead of its decomposition (``k3compile.export.custom_ops``); the metadata says
+so (``k3compile.k3_ops``) and names each kept op's torch reference
+(``k3compile.k3_op_references``). No ONNX runtime has kernels for that domain.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ from pathlib import Path
 
 import torch
 
+from k3compile.export.custom_ops import (
+    K3_DOMAIN,
+    K3_DOMAIN_VERSION,
+    kept_calls,
+    onnx_translation_table,
+    reference,
+    restore_output_types,
+)
 from k3compile.export.trace import (
     STEP_INPUTS,
     ExportOptions,
@@ -47,14 +60,21 @@ def export_onnx(artifact_dir: str | Path, out: str | Path, options: ExportOption
     check_output_path(out, ".onnx")
     start = time.perf_counter()
     traced = trace_step(load_exportable(artifact_dir, options, "ONNX"), options)
+    kept = sorted(set(kept_calls(traced.program)))
     onnx_program = torch.onnx.export(traced.program, dynamo=True, input_names=list(traced.inputs),
-                                     output_names=list(traced.outputs), verbose=False)
+                                     output_names=list(traced.outputs), verbose=False,
+                                     custom_translation_table=onnx_translation_table(set(kept)) if kept else None)
     onnx_program.model.metadata_props.update({
         "k3compile.phase": options.phase, "k3compile.rank": str(options.rank),
         "k3compile.cache_outputs": json.dumps(traced.cache_outputs),
         "k3compile.cache_capacity": json.dumps({"max_sequences": options.max_sequences,
                                                 "max_context": options.max_context}),
+        "k3compile.k3_ops": options.k3_ops,
     })
+    if kept:
+        restore_output_types(onnx_program.model)
+        onnx_program.model.opset_imports[K3_DOMAIN] = K3_DOMAIN_VERSION
+        onnx_program.model.metadata_props["k3compile.k3_op_references"] = json.dumps({n: reference(n) for n in kept})
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staged = Path(tmp) / out.name
         onnx_program.save(staged, external_data=options.external_data)

@@ -3,7 +3,8 @@
 An exporter does not translate the artifact's stored program. It re-traces one rank's
 program on the CPU with ``torch.export``, with the rank's weights and a decode batch the
 runtime itself made, while ``DecomposedK3Ops`` sends every k3 op call to its
-standard-operator form. The traced step is functional:
+standard-operator form (or, with ``ExportOptions.k3_ops == "keep"``, ``KeptK3Ops`` keeps
+each call one op: ``k3compile.export.custom_ops``). The traced step is functional:
 
 - The caches, which the runtime updates in place, are copied first, so the program
   mutates no input. Each cache is an input, and its updated value an output named
@@ -30,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.overrides import TorchFunctionMode
 
 from k3compile.batch import KDALayerCache, MLALayerCache
+from k3compile.export.custom_ops import K3_OPS_MODES, KeptK3Ops
 from k3compile.export.decompositions import DecomposedK3Ops, missing_decompositions
 from k3compile.mla_cache_fp8 import is_fp8_dtype
 
@@ -47,10 +49,13 @@ class ExportOptions:
     max_sequences: int = 4  # KDA state slots (one more is the runtime's reserved slot)
     max_context: int = 256  # tokens per sequence: MLA cache blocks
     external_data: bool = False  # ONNX only: weights in a ``<file>.data`` beside the model
+    k3_ops: str = "decompose"  # or "keep": one custom node a k3 op call (k3compile.export.custom_ops)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"phase: one of {', '.join(PHASES)}, got {self.phase!r}")
+        if self.k3_ops not in K3_OPS_MODES:
+            raise ValueError(f"k3_ops: one of {', '.join(K3_OPS_MODES)}, got {self.k3_ops!r}")
         for name in ("max_sequences", "max_context"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name}: at least 2, got {getattr(self, name)}")
@@ -176,7 +181,9 @@ def _decode_example(runtime) -> tuple[Tensor, ...]:
 
 def trace_step(artifact, options: ExportOptions) -> TracedStep:
     """``options.phase``'s program of ``options.rank`` traced as :class:`TracedStep` (module
-    docstring): the runtime is built on the CPU with the rank's weights for the trace."""
+    docstring): the runtime is built on the CPU with the rank's weights for the trace. With
+    ``options.k3_ops == "keep"`` the k3 op calls stay (``KeptK3Ops``) instead of being
+    decomposed."""
     from k3compile.runtime.engine import Runtime, RuntimeOptions
 
     runtime = Runtime(artifact, options.rank, torch.device("cpu"),
@@ -187,7 +194,7 @@ def trace_step(artifact, options: ExportOptions) -> TracedStep:
     batch, blocks = torch.export.Dim("batch", min=1, max=options.max_sequences), torch.export.Dim("blocks")
     dynamic = ({0: batch}, {0: batch + 1}, {0: batch}, {0: batch}, {0: batch, 1: blocks}, {0: batch}, {0: batch},
                [None] * len(caches))
-    with DecomposedK3Ops(), DecidedBranches():
+    with DecomposedK3Ops() if options.k3_ops == "decompose" else KeptK3Ops(), DecidedBranches():
         program = torch.export.export(_StepWithCaches(runtime.graph_modules[options.phase]), (*step, caches),
                                       dynamic_shapes=dynamic)
     names = cache_names(runtime.caches)
