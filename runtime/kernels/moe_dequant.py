@@ -57,6 +57,7 @@ def _e2m1_value(code, scale):
 
 @triton.jit
 def _as_unsigned(x, BITS: tl.constexpr):
+    """x's BITS bits, zero-extended into a word of twice that width."""
     if BITS == 16:
         word = x.to(tl.uint16, bitcast=True).to(tl.uint32)
     else:
