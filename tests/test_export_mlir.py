@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from cli_runs import assert_one_line_error, invoke
+from export_steps import cpu_runtime, greedy_decode_steps, prefill_prompts, relative_error
 from k3compile.export import ExportOptions, LinalgModule, export_mlir
 from k3compile.export.mlir_export import index_as_one_gather
 from k3compile.export.trace import STEP_INPUTS
-from k3compile.runtime.engine import Runtime, RuntimeOptions
 
 OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 64 tokens
 # (preset, experts, compile options), as tests/test_export_onnx.py: the CPU pipeline in CI
@@ -24,19 +24,6 @@ OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 6
 CASES = [("tiny", "mxfp4", {}),
          pytest.param(("tiny-h24", "mxfp4", {"target": "h200"}), marks=pytest.mark.sweep, id="tiny-h24"),
          pytest.param(("tiny-linear", "bf16", {}), marks=pytest.mark.sweep, id="tiny-linear")]
-
-
-def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
-    want = want.float().numpy()
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-def runtime(artifact) -> Runtime:
-    from k3compile.artifact import load_artifact
-
-    return Runtime(load_artifact(artifact), 0, torch.device("cpu"),
-                   RuntimeOptions(max_sequences=OPTIONS.max_sequences, max_context=OPTIONS.max_context,
-                                  cuda_graphs=False, lowering="eager"))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
@@ -63,27 +50,19 @@ def test_the_linalg_module_steps_equal_the_runtime_with_caches_fed_back(linalg):
     execution engine equal the runtime's (its program on its own caches) within 1e-5
     relative; the engine's caches come from its previous step."""
     artifact, module, _ = linalg
-    rt = runtime(artifact)
-    ids, logits = rt.prefill([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42, 7], [3]])
+    rt = cpu_runtime(artifact, OPTIONS)
+    ids, tokens = prefill_prompts(rt)
     assert module.inputs[:len(STEP_INPUTS)] == list(STEP_INPUTS)
     caches = {n: t.numpy().copy() for n, t in zip(module.inputs[len(STEP_INPUTS):], rt.cache_tensors, strict=True)}
     cache_outputs = module.metadata["k3compile.cache_outputs"]
-    tokens = logits.argmax(-1).tolist()
-    for _ in range(5):
-        rt.table.reserve(ids, [1] * len(ids))
-        batch = rt.table.make_batch(ids, [1] * len(ids), True, device=rt.device)
-        step = (torch.tensor(tokens), batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
-                batch.slot_mapping, batch.logit_indices)
-        want = rt._run("decode", step[0], batch)
-        rt.table.advance(ids, [1] * len(ids))
-        outputs = module.run({**{n: t.numpy() for n, t in zip(STEP_INPUTS, step)}, **caches})
+    for feeds, want in greedy_decode_steps(rt, ids, tokens, 5):
+        outputs = module.run({**feeds, **caches})
         assert list(outputs) == module.outputs
         assert outputs["logits"].shape == tuple(want.shape) and relative_error(outputs["logits"], want) < 1e-5
         for name, cache in zip(module.outputs[1:], rt.cache_tensors, strict=True):
             got = outputs[name]
             assert relative_error(got, cache) < 1e-5 or np.abs(got - cache.numpy()).max() == 0, name
             caches[cache_outputs[name]] = got
-        tokens = want.argmax(-1).tolist()
 
 
 def test_the_torch_dialect_module_has_the_runtime_signature(compile_once, tmp_path):
@@ -96,7 +75,7 @@ def test_the_torch_dialect_module_has_the_runtime_signature(compile_once, tmp_pa
     result = export_mlir(artifact, tmp_path / "tiny.mlir", OPTIONS)
     text = result.path.read_text()
     assert result.file_bytes == result.path.stat().st_size
-    rt = runtime(artifact)
+    rt = cpu_runtime(artifact, OPTIONS)
     caches = [f"!torch.vtensor<[{','.join(map(str, c.shape))}],f32>" for c in rt.cache_tensors]
     steps = ["[?],si64", "[?],si32", "[?],si32", "[?],si64", "[?,?],si32", "[?],si64", "[?],si64"]
     arguments = [f"!torch.vtensor<{s}>" for s in steps] + caches

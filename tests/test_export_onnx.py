@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from cli_runs import assert_one_line_error, invoke
+from export_steps import cpu_runtime, greedy_decode_steps, prefill_prompts, relative_error
 from k3compile.export import ExportOptions, ExportResult, export_onnx
 from k3compile.export.custom_ops import K3_DOMAIN, kept_signature
 from k3compile.export.decompositions import decode_mxfp4, k3_op_definitions, sigmoid_topk_route
 from k3compile.export.onnx_export import STEP_INPUTS
-from k3compile.runtime.engine import Runtime, RuntimeOptions
 
 OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 64 tokens
 # (preset, experts, compile options): the CPU pipeline, and the h200 pipeline whose fused
@@ -26,11 +26,6 @@ OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 6
 # and norm) the CPU runs as their references, in CI; the all-linear preset in the sweep
 CASES = [("tiny", "mxfp4", {}), ("tiny-h24", "mxfp4", {"target": "h200"}),
          pytest.param(("tiny-linear", "bf16", {}), marks=pytest.mark.sweep, id="tiny-linear")]
-
-
-def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
-    want = want.float().numpy()
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
@@ -86,29 +81,17 @@ def test_onnx_runtime_steps_equal_the_runtime_with_caches_fed_back(exported):
     its own caches) within 1e-5 relative; ONNX Runtime's caches come from its previous
     step, so the round trip of every cache is exercised."""
     artifact, result, _ = exported
-    from k3compile.artifact import load_artifact
-
-    rt = Runtime(load_artifact(artifact), 0, torch.device("cpu"),
-                 RuntimeOptions(max_sequences=OPTIONS.max_sequences, max_context=OPTIONS.max_context,
-                                cuda_graphs=False, lowering="eager"))
-    ids, logits = rt.prefill([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [42, 7], [3]])
+    rt = cpu_runtime(artifact, OPTIONS)
+    ids, tokens = prefill_prompts(rt)
     session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     caches = {n: t.numpy().copy() for n, t in zip(names[len(STEP_INPUTS):], rt.cache_tensors, strict=True)}
-    tokens = logits.argmax(-1).tolist()
-    for _ in range(5):
-        rt.table.reserve(ids, [1] * len(ids))
-        batch = rt.table.make_batch(ids, [1] * len(ids), True, device=rt.device)
-        step = (torch.tensor(tokens), batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
-                batch.slot_mapping, batch.logit_indices)
-        want = rt._run("decode", step[0], batch)
-        rt.table.advance(ids, [1] * len(ids))
-        outputs = session.run(None, {**{n: t.numpy() for n, t in zip(STEP_INPUTS, step)}, **caches})
+    for feeds, want in greedy_decode_steps(rt, ids, tokens, 5):
+        outputs = session.run(None, {**feeds, **caches})
         assert relative_error(outputs[0], want) < 1e-5
         for (name, got), cache in zip(zip(result.outputs[1:], outputs[1:]), rt.cache_tensors, strict=True):
             assert relative_error(got, cache) < 1e-5 or np.abs(got - cache.numpy()).max() == 0, name
             caches[result.cache_outputs[name]] = got
-        tokens = want.argmax(-1).tolist()
 
 
 def test_decompositions_equal_the_references(tmp_path):
