@@ -15,8 +15,8 @@ launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported
 per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
 launch settings (the preparation's warps and W / U~ columns per block, the state pass's
 warps, stages and state columns per program; the modules' tables patched for the call), ms
-per setting. ``--prep-sweep``: the preparation's device ms at other warps and register caps
-(``maxnreg``). ``--phases``: the preparation's device time up to the end of each of its
+per setting. ``--prep-sweep``: the preparation's device ms at other warps, register caps
+(``maxnreg``) and A / Aq head-dim slices. ``--phases``: the preparation's device time up to the end of each of its
 four phases (norms and G, A and Aq, the inverse, W / U~), from copies of its kernel that
 return there.
 """
@@ -96,19 +96,20 @@ def launch_settings(prep_warps: int, w_block: int, scan_warps: int, stages: int,
         kp.WARPS["sm_90"], kp.W_BLOCK, kp.SCAN_STAGES, scan.BLOCK_X = saved
 
 
-#: --prep-sweep's settings: (preparation warps, its register cap per thread or None)
-PREP_SWEEP = [(4, None), (4, 168), (4, 128), (8, None), (8, 128)]
+#: --prep-sweep's settings: (preparation warps, its register cap per thread or None, head-dim columns per
+#: slice of its A / Aq products)
+PREP_SWEEP = [(4, 168, 32), (4, None, 32), (4, 168, 64), (4, None, 64), (4, 128, 32)]
 
 
 @contextlib.contextmanager
-def prep_settings(warps: int, max_registers: int | None):
-    """The H200's preparation warps and register cap set for the block's calls."""
-    saved = kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"]
-    kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"] = warps, max_registers
+def prep_settings(warps: int, max_registers: int | None, head_slice: int):
+    """The H200's preparation warps, register cap and A / Aq head-dim slice set for the block's calls."""
+    saved = kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"], kp.HEAD_SLICE["sm_90"]
+    kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"], kp.HEAD_SLICE["sm_90"] = warps, max_registers, head_slice
     try:
         yield
     finally:
-        kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"] = saved
+        kp.WARPS["sm_90"]["prep"], kp.PREP_MAX_REGISTERS["sm_90"], kp.HEAD_SLICE["sm_90"] = saved
 
 
 def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:

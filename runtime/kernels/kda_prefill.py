@@ -66,10 +66,9 @@ CHUNK = 64
 SUB_CHUNK = 16
 #: columns per block of the preparation's W / U~ products (and the state factors)
 W_BLOCK = 64
-#: head-dim columns per A / Aq product, per target (None: the whole head dim, a row
-#: block's operands loaded once). AMD: 64, for two workgroups per gfx950 CU (its 16-row
-#: MFMA operands sit whole in every wave; AOT, docs/kernels.md)
-HEAD_SLICE = {"sm_90": None, "gfx950": 64, "gfx942": 64}
+#: head-dim columns per slice of the A / Aq products, per target: every sub-chunk's slice
+#: is live at once. AMD: 64, for two workgroups per gfx950 CU (AOT, docs/kernels.md)
+HEAD_SLICE = {"sm_90": 32, "gfx950": 64, "gfx942": 64}
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
@@ -90,20 +89,49 @@ WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr"
 
 
 @triton.jit
-def _row_block_operands(k_s, q_s, g_s, a_tile, G_ref):
-    """A row block's keys and queries decayed to its first row: k_r e^{G_r - G_ref}, q_r
-    e^{G_r - G_ref}, over the scratch offsets ``a_tile``."""
-    e_a = tl.exp(tl.load(g_s + a_tile) - G_ref[None, :])
-    return tl.load(k_s + a_tile) * e_a, tl.load(q_s + a_tile) * e_a
+def _row_block_products(q_s, k_s, g_s, a: tl.constexpr, k_c, g_c, sub, dks, acc_a, acc_q, D: tl.constexpr,
+                        BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Row block a of A and Aq plus one head-dim slice's products: a's keys and queries
+    decayed to its first row, k_r e^{G_r - G_ref} and q_r e^{G_r - G_ref}, against the
+    chunk's keys ``k_c`` decayed from that row, e^{G_ref - G_j} k_j (capped at e^MAX_EXP:
+    the keys after a, masked out later)."""
+    tile = (a * BC + sub)[:, None] * D + dks[None, :]
+    g_ref = tl.load(g_s + a * BC * D + dks)
+    e_a = tl.exp(tl.load(g_s + tile) - g_ref[None, :])
+    kt = tl.trans(k_c * tl.exp(tl.minimum(g_ref[None, :] - g_c, MAX_EXP)))
+    return (tl.dot(tl.load(k_s + tile) * e_a, kt, acc_a, input_precision=DOT_PRECISION),
+            tl.dot(tl.load(q_s + tile) * e_a, kt, acc_q, input_precision=DOT_PRECISION))
 
 
 @triton.jit
-def _block_products(ke_a, qe_a, k_s, g_s, b_tile, G_ref, DOT_PRECISION: tl.constexpr):
-    """One A / Aq block: the row block's operands against key block b (scratch offsets
-    ``b_tile``) decayed from the row block's first row, e^{G_ref - G_j} k_j."""
-    k_b = tl.load(k_s + b_tile) * tl.exp(G_ref[None, :] - tl.load(g_s + b_tile))
-    return (tl.dot(ke_a, tl.trans(k_b), input_precision=DOT_PRECISION),
-            tl.dot(qe_a, tl.trans(k_b), input_precision=DOT_PRECISION))
+def _store_row_block(a_s, aq_s, blk_a, blk_q, a: tl.constexpr, beta_c, sub, cols, BT: tl.constexpr,
+                     BC: tl.constexpr):
+    """Row block a of A (strictly lower) and Aq (lower) times beta of the key columns."""
+    r = a * BC + sub
+    off = r[:, None] * BT + cols[None, :]
+    tl.store(a_s + off, tl.where(cols[None, :] < r[:, None], blk_a * beta_c[None, :], 0.0))
+    tl.store(aq_s + off, tl.where(cols[None, :] <= r[:, None], blk_q * beta_c[None, :], 0.0)
+             .to(aq_s.dtype.element_ty))
+
+
+@triton.jit
+def _diagonal_by_columns(q_s, k_s, g_s, a, sub, dk, D: tl.constexpr, BC: tl.constexpr):
+    """Diagonal block (a, a) of A and Aq one key column j at a time, e^{G_r - G_j} whole
+    (gates too strong for the split; the rows above j may overflow: the store's mask drops
+    them)."""
+    tile = (a * BC + sub)[:, None] * D + dk[None, :]
+    G_a = tl.load(g_s + tile)
+    k_a = tl.load(k_s + tile)
+    q_a = tl.load(q_s + tile)
+    blk_a = tl.zeros([BC, BC], dtype=tl.float32)
+    blk_q = tl.zeros([BC, BC], dtype=tl.float32)
+    for j in range(BC):
+        G_j = tl.load(g_s + (a * BC + j) * D + dk)
+        kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk)[None, :]
+        col = (sub == j)[None, :]
+        blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
+        blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
+    return blk_a, blk_q
 
 
 @counted
@@ -144,66 +172,56 @@ def _kda_chunk_prep_kernel(
     tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
     tl.debug_barrier()
 
-    # 2. A and Aq by [BC, BC] blocks (a: rows, b: key columns), one product per block and
-    # head-dim slice of BD columns, the decays split at a's first row: e^{G_r - G_j} =
-    # e^{G_r - G_ref} e^{G_ref - G_j}. Below the diagonal both exponents are <= 0 (G falls
-    # along the chunk). On it the second is up to a sub-chunk's decay, e^75 at K3's gate
-    # (-5 a token): the product is taken while that stays below e^MAX_EXP, else (stronger
-    # gates) one key column at a time (the rows above it may overflow: the mask drops them).
-    # beta of the key columns last. One slice (BD = D): a row block's operands are loaded
-    # once; several (fewer live registers): per block and slice.
+    # 2. A and Aq by row blocks of BC rows (sub-chunks a), each against the chunk's keys
+    # [BT, BD] a head-dim slice at a time: the chunk's keys are loaded once a slice for all
+    # row blocks. The decays are split at a's first row: e^{G_r - G_j} = e^{G_r - G_ref}
+    # e^{G_ref - G_j}. For keys before a both exponents are <= 0 (G falls along the chunk);
+    # keys after a are masked out (their exponent is capped at MAX_EXP so they stay
+    # finite); keys within a decay by up to a sub-chunk's decay, e^75 at K3's gate (-5 a
+    # token), exact while below e^MAX_EXP. Past that (stronger gates) the diagonal blocks
+    # are taken again one key column at a time. beta of the key columns last.
+    NC: tl.constexpr = BT // BC
     sub = tl.arange(0, BC)
-    for a in range(BT // BC):
-        a_tile = (a * BC + sub)[:, None] * D + dk[None, :]
-        G_ref = tl.load(g_s + a * BC * D + dk)
-        if BD == D:
-            ke_a, qe_a = _row_block_operands(k_s, q_s, g_s, a_tile, G_ref)
-        span = tl.max(G_ref - tl.load(g_s + (a * BC + BC - 1) * D + dk), axis=0)  # a's own decay
-        for b in range(BT // BC):
-            blk_a = tl.zeros([BC, BC], dtype=tl.float32)
-            blk_q = tl.zeros([BC, BC], dtype=tl.float32)
-            if b <= a:
-                if (b < a) | (span < MAX_EXP):
-                    if BD == D:
-                        blk_a, blk_q = _block_products(ke_a, qe_a, k_s, g_s, (b * BC + sub)[:, None] * D + dk[None, :],
-                                                       G_ref, DOT_PRECISION)
-                    else:
-                        for d0 in range(0, D, BD):
-                            dks = d0 + tl.arange(0, BD)
-                            G_ref_d = tl.load(g_s + a * BC * D + dks)
-                            ke_d, qe_d = _row_block_operands(k_s, q_s, g_s, (a * BC + sub)[:, None] * D + dks[None, :],
-                                                             G_ref_d)
-                            p_a, p_q = _block_products(ke_d, qe_d, k_s, g_s, (b * BC + sub)[:, None] * D + dks[None, :],
-                                                       G_ref_d, DOT_PRECISION)
-                            blk_a += p_a
-                            blk_q += p_q
-                else:
-                    G_a = tl.load(g_s + a_tile)
-                    k_a = tl.load(k_s + a_tile)
-                    q_a = tl.load(q_s + a_tile)
-                    for j in range(BC):
-                        G_j = tl.load(g_s + (a * BC + j) * D + dk)
-                        kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk)[None, :]
-                        col = (sub == j)[None, :]
-                        blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
-                        blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
-                if b == a:  # strictly lower for A, lower for Aq
-                    blk_a = tl.where(sub[:, None] > sub[None, :], blk_a, 0.0)
-                    blk_q = tl.where(sub[:, None] >= sub[None, :], blk_q, 0.0)
-                t_b = t0 + b * BC + sub
-                beta_b = tl.load(beta_ptr + t_b.to(tl.int64) * H + h, mask=t_b < end, other=0.0)
-                blk_a *= beta_b[None, :]
-                blk_q *= beta_b[None, :]
-            blk = (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :]
-            tl.store(a_ptr + base * BT * BT + blk, blk_a)
-            tl.store(aq_ptr + base * BT * BT + blk, blk_q.to(aq_ptr.dtype.element_ty))
+    firsts = (tl.arange(0, NC) * BC)[:, None] * D + dk[None, :]
+    span = tl.max(tl.load(g_s + firsts) - tl.load(g_s + firsts + (BC - 1) * D))  # the largest sub-chunk decay
+    A0 = tl.zeros([BC, BT], dtype=tl.float32)
+    A1, A2, A3, Q0, Q1, Q2, Q3 = A0, A0, A0, A0, A0, A0, A0
+    for d0 in range(0, D, BD):
+        dks = d0 + tl.arange(0, BD)
+        chunk_tile = rows[:, None] * D + dks[None, :]
+        k_c = tl.load(k_s + chunk_tile)
+        g_c = tl.load(g_s + chunk_tile)
+        A0, Q0 = _row_block_products(q_s, k_s, g_s, 0, k_c, g_c, sub, dks, A0, Q0, D, BC, DOT_PRECISION)
+        if NC >= 2:
+            A1, Q1 = _row_block_products(q_s, k_s, g_s, 1, k_c, g_c, sub, dks, A1, Q1, D, BC, DOT_PRECISION)
+        if NC >= 4:
+            A2, Q2 = _row_block_products(q_s, k_s, g_s, 2, k_c, g_c, sub, dks, A2, Q2, D, BC, DOT_PRECISION)
+            A3, Q3 = _row_block_products(q_s, k_s, g_s, 3, k_c, g_c, sub, dks, A3, Q3, D, BC, DOT_PRECISION)
+    a_s = a_ptr + base * BT * BT
+    aq_s = aq_ptr + base * BT * BT
+    beta_c = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
+    _store_row_block(a_s, aq_s, A0, Q0, 0, beta_c, sub, cols, BT, BC)
+    if NC >= 2:
+        _store_row_block(a_s, aq_s, A1, Q1, 1, beta_c, sub, cols, BT, BC)
+    if NC >= 4:
+        _store_row_block(a_s, aq_s, A2, Q2, 2, beta_c, sub, cols, BT, BC)
+        _store_row_block(a_s, aq_s, A3, Q3, 3, beta_c, sub, cols, BT, BC)
+    if span >= MAX_EXP:
+        tl.debug_barrier()  # the diagonal blocks are stored again
+        for a in range(NC):
+            blk_a, blk_q = _diagonal_by_columns(q_s, k_s, g_s, a, sub, dk, D, BC)
+            t_a = t0 + a * BC + sub
+            beta_a = tl.load(beta_ptr + t_a.to(tl.int64) * H + h, mask=t_a < end, other=0.0)
+            blk = (a * BC + sub)[:, None] * BT + (a * BC + sub)[None, :]
+            tl.store(a_s + blk, tl.where(sub[:, None] > sub[None, :], blk_a * beta_a[None, :], 0.0))
+            tl.store(aq_s + blk, tl.where(sub[:, None] >= sub[None, :], blk_q * beta_a[None, :], 0.0)
+                     .to(aq_ptr.dtype.element_ty))
     tl.debug_barrier()
 
     # 3. T = (I + A)^-1, block lower triangular like A, by row blocks a. The diagonal block
     # A_aa = L is strictly lower, so L^BC = 0 and (I + L)^-1 = sum_n (-L)^n = (I - L)(I + L^2)
     # (I + L^4) ... (I + L^(BC/2)): log2(BC) - 1 squarings, as exact fp32 products (small).
     # Then for b < a, T_ab = -T_aa sum_{b<=c<a} A_ac T_cb (row blocks above a written by then).
-    a_s = a_ptr + base * BT * BT
     t_s = t_ptr + base * BT * BT
     eye = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
     for a in range(BT // BC):
@@ -302,7 +320,7 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 
 def head_slice(target: str, head_dim: int) -> int:
     """The preparation's head-dim columns per A / Aq product on ``target`` (HEAD_SLICE)."""
-    return min(HEAD_SLICE[target] or head_dim, head_dim)
+    return min(HEAD_SLICE[target], head_dim)
 
 
 def w_block(head_dim: int, head_dim_v: int) -> int:
