@@ -16,9 +16,9 @@ per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours 
 launch settings (the preparation's warps and W / U~ columns per block, the state pass's
 warps, stages and state columns per program; the modules' tables patched for the call), ms
 per setting. ``--prep-sweep``: the preparation's device ms at other warps, register caps
-(``maxnreg``) and A / Aq head-dim slices. ``--phases``: the preparation's device time up to the end of each of its
-four phases (norms and G, A and Aq, the inverse, W / U~), from copies of its kernel that
-return there.
+(``maxnreg``) and A / Aq head-dim slices. ``--phases``: the preparation's device time up
+to the end of each of its four phases (norms and G, A and Aq, the inverse, W / U~), from
+copies of its kernel that return there.
 """
 
 from __future__ import annotations

@@ -93,10 +93,11 @@ def test_chunk_groups_at_every_group_residue(group_chunks):
 
 
 @pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
-def test_head_dim_slices_as_on_amd(monkeypatch):
-    """The preparation's A / Aq over head-dim slices (AMD's layout, kda_prefill.HEAD_SLICE;
-    the interpreter runs CUDA's whole-head-dim one otherwise): the same results, with K3's
-    gate and with one strong enough to take the column-at-a-time path."""
+def test_several_head_dim_slices(monkeypatch):
+    """The preparation's A / Aq accumulated over several head-dim slices (K3's D = 128 takes
+    four of kda_prefill.HEAD_SLICE on sm_90, two on AMD; the small shapes here one unless
+    narrowed): the same results, with K3's gate and with one strong enough to take the
+    column-at-a-time path."""
     for target in kda_prefill.HEAD_SLICE:
         monkeypatch.setitem(kda_prefill.HEAD_SLICE, target, 16)
     for strong in (False, True):
@@ -184,11 +185,13 @@ def test_matches_fla_naive_chunk_kda():
     close(state.cpu(), s_fla, torch.float32, "state against fla")
 
 
-def test_shapes_the_kernels_do_not_take_run_the_reference():
-    """Head dims of 8 (not >= 16): the reference, no kernel launch, same result."""
-    x = make([5, 9], D=8, DV=8)
+@pytest.mark.parametrize("D, chunk", [(8, 16), (16, 128)])
+def test_shapes_the_kernels_do_not_take_run_the_reference(D, chunk):
+    """Head dims of 8 (not >= 16) or chunks of 128 (more row blocks than the preparation's
+    four): the reference, no kernel launch, same result."""
+    x = make([5, 9], D=D, DV=D)
     reset_kernel_launches()
-    o, state, o_ref, state_ref = run_both(x, chunk=16)
+    o, state, o_ref, state_ref = run_both(x, chunk=chunk)
     assert kernel_launches() == {}
     assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
 

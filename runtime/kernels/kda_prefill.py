@@ -15,14 +15,16 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
 
 ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on the
 state, for every chunk of every sequence in parallel: the norms and G (to a scratch
-tile); A and Aq by [16, 16] blocks of sub-chunks, one product each over the head dim
-(on AMD over 64-wide slices of it: :data:`HEAD_SLICE`) with the decay split at the row
-block's first token (e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}; below the diagonal
-both exponents are <= 0, so nothing overflows however strong the gate; on it the second
-reaches a sub-chunk's decay, taken as a product below e^80, else one key column at a
-time); T = (I + A)^-1 by blocks (the diagonal ones as a product of log2(16) factors, the
-others by products); W and U~; the factors the state pass multiplies by (q e^G, beta k
-e^{G_last - G}, e^{G_last}). Stored in workspaces per (chunk, head) (:func:`work_dtype`).
+tile); A and Aq by row blocks of 16 (sub-chunks), each a [16, 64] product against the
+whole chunk's keys, accumulated over head-dim slices (:data:`HEAD_SLICE`) so that each
+slice of the keys is loaded once for the four row blocks, with the decay split at the
+row block's first token (e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}; for keys
+before the row block both exponents are <= 0, so nothing overflows however strong the
+gate; keys after it are masked; within it the second exponent reaches a sub-chunk's
+decay, taken as a product below e^80, else one key column at a time); T = (I + A)^-1 by
+blocks (the diagonal ones as a product of log2(16) factors, the others by products); W
+and U~; the factors the state pass multiplies by (q e^G, beta k e^{G_last - G},
+e^{G_last}). Stored in workspaces per (chunk, head) (:func:`work_dtype`).
 Then ``kda_prefill_scan``: the state pass (by chunk groups where sequences x heads leave
 the GPU idle) and the outputs.
 
@@ -66,9 +68,11 @@ CHUNK = 64
 SUB_CHUNK = 16
 #: columns per block of the preparation's W / U~ products (and the state factors)
 W_BLOCK = 64
-#: head-dim columns per slice of the A / Aq products, per target: every sub-chunk's slice
-#: is live at once. AMD: 64, for two workgroups per gfx950 CU (AOT, docs/kernels.md)
-HEAD_SLICE = {"sm_90": 32, "gfx950": 64, "gfx942": 64}
+#: head-dim columns per slice of the A / Aq products (the chunk's keys [BT, slice] and the
+#: row blocks' [16, BT] sums are live together), per target. sm_90: the fastest of
+#: benchmarks/kda_prefill.py --prep-sweep; AMD: two workgroups per gfx950 / gfx942 CU at
+#: every pointer width (AOT, docs/kernels.md; 64 leaves one where buffer loads are off)
+HEAD_SLICE = {"sm_90": 32, "gfx950": 32, "gfx942": 32}
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
@@ -338,8 +342,9 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def kernel_takes_dims(D: int, DV: int, chunk: int = CHUNK) -> bool:
-    """Whether the kernels take head dims ``D`` / ``DV`` and ``chunk``: powers of two >= 16."""
-    return all(n >= 16 and n & (n - 1) == 0 for n in (D, DV, chunk))
+    """Whether the kernels take head dims ``D`` / ``DV`` and ``chunk``: powers of two >= 16,
+    the chunk at most four sub-chunks (the preparation's row blocks)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (D, DV, chunk)) and chunk <= 4 * SUB_CHUNK
 
 
 def kernel_takes(q: Tensor, v: Tensor, state: Tensor, chunk: int = CHUNK) -> bool:
