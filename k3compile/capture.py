@@ -106,9 +106,10 @@ def example_inputs(
 
 
 @contextmanager
-def tracing_process_group(world_size: int) -> Iterator[None]:
+def tracing_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """A default process group of ``world_size`` to trace collectives against: the live
-    one if it matches, else torch's in-process ``fake`` backend for the duration."""
+    one if it matches, else torch's in-process ``fake`` backend as ``rank`` for the
+    duration (its collectives do nothing)."""
     if world_size == 1 or dist.is_initialized():
         if dist.is_initialized() and dist.get_world_size() != world_size:
             raise RuntimeError(
@@ -118,7 +119,7 @@ def tracing_process_group(world_size: int) -> Iterator[None]:
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

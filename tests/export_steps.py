@@ -22,11 +22,12 @@ def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def cpu_runtime(artifact: Path, options: ExportOptions) -> Runtime:
-    """The artifact's rank 0 on the CPU, op by op, with the export's cache capacity."""
+def cpu_runtime(artifact: Path, options: ExportOptions, rank: int = 0) -> Runtime:
+    """The artifact's ``rank`` on the CPU, op by op, with the export's cache capacity (at
+    TP > 1 in a process that is that rank of the process group)."""
     from k3compile.artifact import load_artifact
 
-    return Runtime(load_artifact(artifact), 0, torch.device("cpu"),
+    return Runtime(load_artifact(artifact), rank, torch.device("cpu"),
                    RuntimeOptions(max_sequences=options.max_sequences, max_context=options.max_context,
                                   cuda_graphs=False, lowering="eager"))
 

@@ -120,17 +120,19 @@ def test_kept_k3_ops_are_torch_operators(compile_once, tmp_path):
 
 
 def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_path):
-    """The ONNX export's refusals (prefill, TP2, FP8 MLA caches, a rank out of range), a
-    batch range in which the GEMM dispatch would branch at run time, and options that are
-    not MLIR's: each a clear error, no file written."""
+    """The ONNX export's refusals (prefill, FP8 MLA caches, a rank out of range), the
+    collectives of a TP2 program in the linalg dialect, a batch range in which the GEMM
+    dispatch would branch at run time, and options that are not MLIR's: each a clear
+    error, no file written."""
     tp1 = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
     tp2 = compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir
     fp8 = compile_once("tiny", "mxfp4", dtype="float32", kv_cache_dtype="fp8").out_dir
     out = tmp_path / "m.mlir"
     with pytest.raises(ValueError, match=r"k3 ops .*kda_prefill.* have no decomposition .*only the decode phase"):
         export_mlir(tp1, out, ExportOptions(phase="prefill"))
-    with pytest.raises(ValueError, match=r"collectives \(.*all_reduce.*\), which MLIR cannot express: export a TP1"):
-        export_mlir(tp2, out, OPTIONS)
+    with pytest.raises(ValueError, match=r"collectives \(.*all_reduce.*\), which MLIR's linalg dialect cannot express: "
+                                         r"export a TP1 artifact \(this one is TP2, DCP1\), or to a format that keeps"):
+        export_mlir(tp2, out, OPTIONS, dialect="linalg")
     with pytest.raises(ValueError, match=r"MLA caches are float8_e4m3fn, .* to MLIR yet: compile with "
                                          r"--kv-cache-dtype auto"):
         export_mlir(fp8, out, OPTIONS)

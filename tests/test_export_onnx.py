@@ -118,16 +118,16 @@ def test_decompositions_equal_the_references(tmp_path):
 
 
 def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_path):
-    """A prefill program (ops without decompositions), a TP2 program (collectives), FP8
-    MLA caches, a rank out of range and a wrong file name: each a clear error, no file
+    """A prefill program (ops without decompositions), FP8 MLA caches, a rank out of range
+    (of a TP1 and a TP2 artifact) and a wrong file name: each a clear error, no file
     written."""
     tp1 = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
     tp2 = compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir
     out = tmp_path / "m.onnx"
     with pytest.raises(ValueError, match=r"k3 ops .*kda_prefill.* have no decomposition .*only the decode phase"):
         export_onnx(tp1, out, ExportOptions(phase="prefill"))
-    with pytest.raises(ValueError, match=r"collectives \(.*all_reduce.*\), which ONNX cannot express: export a TP1"):
-        export_onnx(tp2, out, OPTIONS)
+    with pytest.raises(ValueError, match=r"rank 2: the artifact has ranks 0..1"):
+        export_onnx(tp2, out, ExportOptions(rank=2))
     fp8 = compile_once("tiny", "mxfp4", dtype="float32", kv_cache_dtype="fp8").out_dir
     with pytest.raises(ValueError, match=r"MLA caches are float8_e4m3fn, .* compile with --kv-cache-dtype auto"):
         export_onnx(fp8, out, OPTIONS)

@@ -5,12 +5,14 @@ into standard operators and whose caches are inputs and outputs. ``export_mlir``
 same program as an MLIR module, in torch-mlir's torch dialect or lowered to
 linalg-on-tensors, which ``LinalgModule`` runs on the CPU (docs/export.md). With
 ``ExportOptions(k3_ops="keep")`` the k3 ops stay custom ops instead
-(``k3compile.export.custom_ops``).
+(``k3compile.export.custom_ops``). A TP > 1 rank's program keeps its collectives
+(``k3compile.export.collectives``). ``export_onnx`` of a ``ModelStructure`` compiles a
+config on meta and writes its graph without weights (``k3compile.export.structure``).
 """
 
 from k3compile.export.mlir_export import export_mlir
 from k3compile.export.mlir_run import LinalgModule
 from k3compile.export.onnx_export import export_onnx
-from k3compile.export.trace import ExportOptions, ExportResult
+from k3compile.export.trace import ExportOptions, ExportResult, ModelStructure
 
-__all__ = ["ExportOptions", "ExportResult", "LinalgModule", "export_mlir", "export_onnx"]
+__all__ = ["ExportOptions", "ExportResult", "LinalgModule", "ModelStructure", "export_mlir", "export_onnx"]

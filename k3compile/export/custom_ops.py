@@ -123,7 +123,7 @@ class KeptK3Ops(TorchFunctionMode):
         if name is None or not kept_signature(name).mutated:
             return func(*args, **(kwargs or {}))
         schema = getattr(torch.ops.k3, name).default._schema
-        bound = _bind(schema, args, kwargs or {})
+        bound = bind_arguments(schema, args, kwargs or {})
         results = functional_op(name)(*(bound[a.name] for a in schema.arguments))
         results = (results,) if isinstance(results, torch.Tensor) else tuple(results)
         mutated = kept_signature(name).mutated
@@ -133,8 +133,9 @@ class KeptK3Ops(TorchFunctionMode):
         return None if not own else own[0] if len(own) == 1 else own
 
 
-def _bind(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict:
-    """Every argument of ``schema`` by name: positional, keyword or its default."""
+def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict:
+    """Every argument of ``schema`` by name: positional, keyword or its default (for the
+    ONNX translations, which the exporter calls with the traced node's arguments)."""
     bound = {}
     for i, arg in enumerate(schema.arguments):
         if i < len(args):
@@ -156,10 +157,13 @@ def register_onnx_schemas(names: set[str]) -> None:
     for name in sorted(names):
         if onnx.defs.has(name, K3_DOMAIN):
             continue
-        onnx.defs.register_schema(_onnx_schema(kept_signature(name)))
+        onnx.defs.register_schema(onnx_schema(kept_signature(name), K3_DOMAIN, K3_DOMAIN_VERSION, reference(name)))
 
 
-def _onnx_schema(signature: KeptSignature):
+def onnx_schema(signature: KeptSignature, domain: str, version: int, doc: str):
+    """The ONNX schema of a node with ``signature`` in ``domain``: its inputs and outputs of
+    any tensor type each, its attributes required; no shape inference (the output types
+    come from the trace: :func:`restore_output_types`)."""
     from onnx.defs import OpSchema
 
     def parameter(name: str, type_str: str, variadic: bool = False):
@@ -176,8 +180,8 @@ def _onnx_schema(signature: KeptSignature):
     constraints += [(f"O{i}", _TENSOR_TYPES, "") for i in range(len(signature.outputs))]
     attributes = [OpSchema.Attribute(n, getattr(OpSchema.AttrType, kind), "", required=True)
                   for n, kind in signature.attributes]
-    return OpSchema(signature.name, K3_DOMAIN, K3_DOMAIN_VERSION, reference(signature.name), inputs=inputs,
-                    outputs=outputs, type_constraints=constraints, attributes=attributes)
+    return OpSchema(signature.name, domain, version, doc, inputs=inputs, outputs=outputs,
+                    type_constraints=constraints, attributes=attributes)
 
 
 def reference(name: str) -> str:
@@ -215,8 +219,8 @@ def _onnx_node(name: str):
     def translate(*args, **kwargs):
         import onnxscript
 
-        bound = _bind(schema, args, kwargs)
-        named = {n: _attribute(name, n, kind, bound[n]) for n, kind in signature.attributes}
+        bound = bind_arguments(schema, args, kwargs)
+        named = {n: onnx_attribute(name, n, kind, bound[n]) for n, kind in signature.attributes}
         if signature.tensor_list is not None:  # by name: the recorder gives a variadic input every positional one
             named[signature.tensor_list] = tuple(bound[signature.tensor_list])
         op = getattr(onnxscript.values.Opset(K3_DOMAIN, K3_DOMAIN_VERSION), name)
@@ -225,18 +229,20 @@ def _onnx_node(name: str):
     return translate
 
 
-def _attribute(op: str, name: str, kind: str, value: object) -> object:
+def onnx_attribute(op: str, name: str, kind: str, value: object) -> object:
     """``value`` as an ONNX attribute of type ``kind``; a ValueError for a value the trace
     left symbolic (a size of a dynamic dimension)."""
     if kind == "STRING":
         return str(value).removeprefix("torch.")
+    if kind == "INTS":
+        return [onnx_attribute(op, name, "INT", v) for v in value]
     if not isinstance(value, (bool, int, float)):
         raise ValueError(f"k3.{op}: argument {name} is {value!r}, not a constant: it cannot be an ONNX attribute")
     return float(value) if kind == "FLOAT" else int(value)
 
 
-def restore_output_types(model) -> None:
-    """Set the element type of every kept node's outputs in ``model`` (an ``onnx_ir``
+def restore_output_types(model, domains: tuple[str, ...] = (K3_DOMAIN,)) -> None:
+    """Set the element type of the outputs of every node of ``domains`` in ``model`` (an ``onnx_ir``
     model from ``torch.onnx.export``) from the traced values: the exporter's optimizer
     clears the types of outputs of ops it has no inference for, and the full check's
     strict shape inference then finds the nodes after them untyped."""
@@ -248,7 +254,7 @@ def restore_output_types(model) -> None:
               torch.int8: ir.DataType.INT8, torch.uint8: ir.DataType.UINT8, torch.bool: ir.DataType.BOOL,
               torch.float8_e4m3fn: ir.DataType.FLOAT8E4M3FN, torch.float8_e5m2: ir.DataType.FLOAT8E5M2}
     for node in model.graph:
-        if node.domain != K3_DOMAIN:
+        if node.domain not in domains:
             continue
         traced = node.meta["node"].meta["val"]
         traced = (traced,) if isinstance(traced, torch.Tensor) else tuple(traced)

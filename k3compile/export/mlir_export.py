@@ -24,6 +24,10 @@ torch dialect as imported: torch-mlir's backend pipeline cannot take ops it has 
 functions for, so it does not run, and nothing lowers the module to linalg. The attribute
 ``k3compile.k3_op_references`` names each kept op's torch reference.
 
+A TP > 1 rank's collectives stay ``torch.operator "torch._c10d_functional.<name>"`` (and
+their waits), in the torch dialect as imported, like kept k3 ops; the attribute
+``k3compile.collectives`` describes their groups. Linalg has no collectives: refused.
+
 Two things torch-mlir cannot take are handled before the import:
 
 - a ``cond``: the GEMM dispatch branches on the token count at 16, so at most 15
@@ -46,6 +50,7 @@ from k3compile.export.custom_ops import kept_calls, reference
 from k3compile.export.trace import (
     ExportOptions,
     ExportResult,
+    ModelStructure,
     TracedStep,
     check_output_path,
     load_exportable,
@@ -63,6 +68,9 @@ def export_mlir(artifact_dir: str | Path, out: str | Path, options: ExportOption
     """Write ``options.phase``'s program of ``options.rank`` as an MLIR module in
     ``dialect`` at ``out`` (module docstring), as text. The module is verified before it
     is moved into place, so a failed export leaves nothing behind."""
+    if isinstance(artifact_dir, ModelStructure):
+        raise ValueError("a structure-only export writes ONNX: an MLIR module embeds its weights, which a model "
+                         "structure has none of")
     if dialect not in DIALECTS:
         raise ValueError(f"dialect: one of {', '.join(DIALECTS)}, got {dialect!r}")
     if options.external_data:
@@ -74,14 +82,16 @@ def export_mlir(artifact_dir: str | Path, out: str | Path, options: ExportOption
     check_output_path(out, ".mlir")
     _require_torch_mlir()
     start = time.perf_counter()
-    artifact = load_exportable(artifact_dir, options, "MLIR")
+    artifact = load_exportable(artifact_dir, options, "MLIR" if dialect == "torch" else f"MLIR's {dialect} dialect",
+                               with_collectives=dialect == "torch")
     _check_branches(artifact.programs[options.phase].graph_module, options)
     traced = trace_step(artifact, options)
     module = _import(traced, options, dialect)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         (Path(tmp) / out.name).write_text(str(module))
         size = move_into_place(Path(tmp), out.parent)
-    return ExportResult(out, time.perf_counter() - start, size, traced.inputs, traced.outputs, traced.cache_outputs)
+    return ExportResult(out, time.perf_counter() - start, size, traced.inputs, traced.outputs, traced.cache_outputs,
+                        traced.collectives)
 
 
 def _require_torch_mlir() -> None:
@@ -127,8 +137,9 @@ def _import(traced: TracedStep, options: ExportOptions, dialect: str):
         raise ValueError(f"the traced program still holds {len(cond)} cond(s), which torch-mlir cannot import")
     with warnings.catch_warnings():  # torch's own, from inside run_decompositions: nothing a user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-        module = fx.export_and_import(traced.program, output_type="torch" if options.k3_ops == "decompose" else "raw",
-                                      func_name=options.phase, decomposition_table=table)
+        raw = options.k3_ops == "keep" or traced.collectives  # ops the backend pipeline has no shape functions for
+        module = fx.export_and_import(traced.program, output_type="raw" if raw else "torch", func_name=options.phase,
+                                      decomposition_table=table)
     with module.context:
         for key, value in _attributes(traced, options).items():
             module.operation.attributes[f"k3compile.{key}"] = value
@@ -148,9 +159,17 @@ def _attributes(traced: TracedStep, options: ExportOptions) -> dict:
     def integer(value: int):
         return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), value)
 
+    def value(v):
+        if isinstance(v, dict):
+            return ir.DictAttr.get({k: value(x) for k, x in v.items()})
+        if isinstance(v, list):
+            return ir.ArrayAttr.get([value(x) for x in v])
+        return integer(v) if isinstance(v, int) else ir.StringAttr.get(v)
+
     kept = sorted(set(kept_calls(traced.program)))
-    references = {"k3_op_references": ir.DictAttr.get({n: ir.StringAttr.get(reference(n)) for n in kept})} \
-        if kept else {}
+    references = {"k3_op_references": value({n: reference(n) for n in kept})} if kept else {}
+    if traced.collectives:  # the ONNX domain aside
+        references["collectives"] = value({k: v for k, v in traced.collectives.items() if k not in ("domain", "version")})
     return {
         **references, "k3_ops": ir.StringAttr.get(options.k3_ops),
         "phase": ir.StringAttr.get(options.phase), "rank": integer(options.rank),

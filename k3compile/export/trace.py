@@ -16,13 +16,20 @@ each call one op: ``k3compile.export.custom_ops``). The traced step is functiona
 The inputs are the decode step's tensors (:data:`STEP_INPUTS`), then every cache. The
 batch and the block table's width are dynamic. The caches have the fixed shapes of
 :class:`ExportOptions`' sequences and context.
+
+A TP > 1 rank's program keeps its functional collectives (``k3compile.export.collectives``).
+The trace runs no step, so it needs no peers: the decode example comes from the runtime's
+sequence table alone, and the runtime is built inside torch's in-process ``fake`` process
+group (a DCP rank's runtime makes its DCP group). A :class:`ModelStructure` instead of an
+artifact is compiled on the meta device and traced there, without weights
+(``k3compile.export.structure``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +37,10 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.overrides import TorchFunctionMode
 
-from k3compile.batch import KDALayerCache, MLALayerCache
+from k3compile.batch import KDALayerCache, MLALayerCache, flatten_caches
+from k3compile.capture import tracing_process_group
+from k3compile.config import K3Config
+from k3compile.export.collectives import COLLECTIVES, collectives_metadata, program_collectives
 from k3compile.export.custom_ops import K3_OPS_MODES, KeptK3Ops
 from k3compile.export.decompositions import DecomposedK3Ops, missing_decompositions
 from k3compile.mla_cache_fp8 import is_fp8_dtype
@@ -69,6 +79,8 @@ class ExportResult:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     cache_outputs: dict[str, str]  # output name -> the cache input it updates
+    collectives: dict = field(default_factory=dict)  # k3compile.export.collectives.collectives_metadata
+    weights: tuple[str, ...] = ()  # structure-only ONNX: the weight inputs after the caches, without values
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,24 @@ class TracedStep:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     cache_outputs: dict[str, str]
+    collectives: dict  # k3compile.export.collectives.collectives_metadata: empty without collectives
+    structure: dict = field(default_factory=dict)  # structure-only (a ModelStructure, on meta): what it compiled
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """What to export instead of an artifact for a structure-only export: ``config``
+    compiled now on the meta device for ``tp`` x ``dcp`` and the hardware ``target``, as
+    ``k3compile plan`` compiles it; no checkpoint, no weights (``k3compile.export.structure``)."""
+
+    config: K3Config
+    tp: int = 1
+    dcp: int = 1
+    dcp_interleave: int = 1
+    target: str = "mi355x"
+    dtype: torch.dtype = torch.float32  # ONNX has no bfloat16 Einsum
+    kv_cache_dtype: torch.dtype | None = None  # of the MLA caches; None: ``dtype``
+    block_size: int | None = None  # tokens a MLA cache block; None: the target's
 
 
 def cache_names(caches: list) -> list[str]:
@@ -101,40 +131,62 @@ def check_output_path(out: Path, suffix: str) -> None:
         raise ValueError(f"{out.parent}: no such directory")
 
 
-def check_exportable(artifact, options: ExportOptions, target: str) -> None:
-    """Refuse what cannot be exported to ``target`` (a format's name), before any weight is read."""
+def check_exportable(artifact, options: ExportOptions, target: str, with_collectives: bool = True) -> None:
+    """Refuse what cannot be exported to ``target`` (a format's name), before any weight is
+    read; ``with_collectives``: whether ``target`` keeps the collectives of a TP > 1
+    program (k3compile.export.collectives)."""
     info = artifact.info
-    if not 0 <= options.rank < info.tp:
-        raise ValueError(f"rank {options.rank}: the artifact has ranks 0..{info.tp - 1}")
-    if is_fp8_dtype(info.kv_cache_dtype):
-        raise ValueError(f"the artifact's MLA caches are {str(info.kv_cache_dtype).removeprefix('torch.')}, whose "
-                         f"byte-level rows (codes and scales) do not translate to {target} yet: compile with "
-                         "--kv-cache-dtype auto to export")
-    if options.max_context <= info.block_size:
-        raise ValueError(f"max_context {options.max_context}: the caches must hold more than one MLA block of "
-                         f"{info.block_size} tokens a sequence (the block table's width is a dynamic dimension)")
+    check_plan(options, info.tp, info.dcp, info.block_size, info.dtype, info.kv_cache_dtype, target, "the artifact")
     if options.phase not in artifact.programs:
         raise ValueError(f"the artifact has no {options.phase} program")
-    gm = artifact.programs[options.phase].graph_module
-    collectives = sorted({str(n.target).split(".")[1] for n in gm.graph.nodes
-                          if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")}
-                         - {"wait_tensor"})
-    if collectives:
-        raise ValueError(f"the {options.phase} program holds collectives ({', '.join(collectives)}), which {target} "
-                         f"cannot express: export a TP1 artifact (this one is TP{info.tp}, DCP{info.dcp})")
+    check_program(artifact.programs[options.phase].graph_module, options, target, with_collectives, info.tp, info.dcp)
+
+
+def check_plan(options: ExportOptions, tp: int, dcp: int, block_size: int, dtype: torch.dtype,
+               kv_cache_dtype: torch.dtype, target: str, what: str) -> None:
+    """Refuse a rank outside ``tp``, bfloat16 in ONNX, FP8 MLA caches and a cache capacity of
+    one MLA block: what an export of ``what`` (the artifact, the model structure) to
+    ``target`` cannot take, known before its program is read."""
+    if not 0 <= options.rank < tp:
+        raise ValueError(f"rank {options.rank}: {what} has ranks 0..{tp - 1}")
+    if dtype == torch.bfloat16 and target == "ONNX":
+        raise ValueError(f"{what} is bfloat16, and its program's einsums (the k3 ops' references, the model's "
+                         "projections) become ONNX Einsum nodes, which have no bfloat16: export a float32 one "
+                         "(compiled with --dtype float32)")
+    if is_fp8_dtype(kv_cache_dtype):
+        raise ValueError(f"{what}'s MLA caches are {str(kv_cache_dtype).removeprefix('torch.')}, whose "
+                         f"byte-level rows (codes and scales) do not translate to {target} yet: compile with "
+                         "--kv-cache-dtype auto to export")
+    if options.max_context <= block_size * dcp:
+        raise ValueError(f"max_context {options.max_context}: the caches must hold more than one MLA block of "
+                         f"{block_size} tokens a sequence{f' on each of the {dcp} DCP ranks' if dcp > 1 else ''} "
+                         "(the block table's width is a dynamic dimension)")
+
+
+def check_program(gm: torch.fx.GraphModule, options: ExportOptions, target: str, with_collectives: bool, tp: int,
+                  dcp: int) -> None:
+    """Refuse collectives that ``target`` cannot express and k3 ops without a decomposition
+    (unless kept) in the program ``gm`` of ``options.phase``."""
+    collectives = program_collectives(gm)
+    unknown = sorted(set(collectives) - set(COLLECTIVES))
+    if collectives and (not with_collectives or unknown):
+        raise ValueError(f"the {options.phase} program holds collectives ({', '.join(unknown or collectives)}), which "
+                         f"{target} cannot express: export a TP1 artifact (this one is TP{tp}, DCP{dcp})"
+                         + ("" if unknown else ", or to a format that keeps collectives (ONNX, MLIR's torch dialect)"))
     missing = missing_decompositions(gm)
-    if missing:
+    if missing and (options.phase != "decode" or options.k3_ops == "decompose"):
         raise ValueError(f"the {options.phase} program's k3 ops {', '.join(missing)} have no decomposition into "
-                         "standard operators yet: only the decode phase exports")
+                         "standard operators yet: " + ("only the decode phase exports" if options.phase != "decode"
+                                                       else "export them kept (--keep-k3-ops)"))
 
 
-def load_exportable(artifact_dir: str | Path, options: ExportOptions, target: str):
+def load_exportable(artifact_dir: str | Path, options: ExportOptions, target: str, with_collectives: bool = True):
     """The artifact at ``artifact_dir`` (its manifest and programs; no weights yet), checked
     by :func:`check_exportable`."""
     from k3compile.artifact import load_artifact
 
     artifact = load_artifact(artifact_dir)
-    check_exportable(artifact, options, target)
+    check_exportable(artifact, options, target, with_collectives)
     return artifact
 
 
@@ -168,15 +220,36 @@ class _StepWithCaches(torch.nn.Module):
         return (logits, *caches)
 
 
-def _decode_example(runtime) -> tuple[Tensor, ...]:
-    """A decode step's inputs as the runtime makes them: two sequences whose contexts
-    span two cache blocks (a width of 1 would be specialised by the trace)."""
-    length = runtime.artifact.info.block_size + 1
-    ids, _ = runtime.prefill([[1] * length, [2] * (length - 1)])
-    runtime.table.reserve(ids, [1, 1])
-    batch = runtime.table.make_batch(ids, [1, 1], True, device=runtime.device)
+def decode_example(table) -> tuple[Tensor, ...]:
+    """A decode step's inputs as the runtime makes them with its sequence table ``table``
+    (its blocks then taken): two sequences whose contexts span two cache blocks of the rank
+    (a width of 1 would be specialised by the trace)."""
+    length = table.shape.block_size * table.layout.dcp + 1
+    ids = [table.new_sequence() for _ in range(2)]
+    table.reserve(ids, [length, length - 1])
+    table.advance(ids, [length, length - 1])
+    table.reserve(ids, [1, 1])
+    batch = table.make_batch(ids, [1, 1], True)
     return (torch.tensor([3, 4]), batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
             batch.slot_mapping, batch.logit_indices)
+
+
+def export_step(step: torch.fx.GraphModule, example: tuple[Tensor, ...], caches: list, options: ExportOptions,
+                tp: int, dcp: int, structure: dict | None = None) -> TracedStep:
+    """The decode program ``step`` traced as :class:`TracedStep` (module docstring) on the
+    step inputs ``example`` and the runtime's per-layer ``caches`` (copied), with the k3 ops
+    decomposed or kept as ``options`` says; ``structure``: what a structure-only export
+    compiled (``k3compile.export.structure``)."""
+    tensors = [c.clone() for c in flatten_caches(caches)]
+    batch, blocks = torch.export.Dim("batch", min=1, max=options.max_sequences), torch.export.Dim("blocks", max=1 << 24)
+    dynamic = ({0: batch}, {0: batch + 1}, {0: batch}, {0: batch}, {0: batch, 1: blocks}, {0: batch}, {0: batch},
+               [None] * len(tensors))
+    with DecomposedK3Ops() if options.k3_ops == "decompose" else KeptK3Ops(), DecidedBranches():
+        program = torch.export.export(_StepWithCaches(step), (*example, tensors), dynamic_shapes=dynamic)
+    names = cache_names(caches)
+    cache_outputs = {f"{n}.next": n for n in names}
+    return TracedStep(program, (*STEP_INPUTS, *names), ("logits", *cache_outputs), cache_outputs,
+                      collectives_metadata(program.graph_module, tp, dcp, options.rank), structure or {})
 
 
 def trace_step(artifact, options: ExportOptions) -> TracedStep:
@@ -186,20 +259,24 @@ def trace_step(artifact, options: ExportOptions) -> TracedStep:
     decomposed."""
     from k3compile.runtime.engine import Runtime, RuntimeOptions
 
-    runtime = Runtime(artifact, options.rank, torch.device("cpu"),
-                      RuntimeOptions(max_sequences=options.max_sequences, max_context=options.max_context,
-                                     cuda_graphs=False, lowering="eager"))
-    step = _decode_example(runtime)
-    caches = [c.clone() for c in runtime.cache_tensors]
-    batch, blocks = torch.export.Dim("batch", min=1, max=options.max_sequences), torch.export.Dim("blocks")
-    dynamic = ({0: batch}, {0: batch + 1}, {0: batch}, {0: batch}, {0: batch, 1: blocks}, {0: batch}, {0: batch},
-               [None] * len(caches))
-    with DecomposedK3Ops() if options.k3_ops == "decompose" else KeptK3Ops(), DecidedBranches():
-        program = torch.export.export(_StepWithCaches(runtime.graph_modules[options.phase]), (*step, caches),
-                                      dynamic_shapes=dynamic)
-    names = cache_names(runtime.caches)
-    cache_outputs = {f"{n}.next": n for n in names}
-    return TracedStep(program, (*STEP_INPUTS, *names), ("logits", *cache_outputs), cache_outputs)
+    info = artifact.info
+    with tracing_process_group(info.tp, options.rank):  # the trace runs no collective
+        runtime = Runtime(artifact, options.rank, torch.device("cpu"),
+                          RuntimeOptions(max_sequences=options.max_sequences, max_context=options.max_context,
+                                         cuda_graphs=False, lowering="eager"))
+        return export_step(runtime.graph_modules[options.phase], decode_example(runtime.table), runtime.caches,
+                           options, info.tp, info.dcp)
+
+
+def trace_source(source: str | Path | ModelStructure, options: ExportOptions, target: str,
+                 with_collectives: bool = True) -> TracedStep:
+    """The traced step of ``source``, an artifact directory or a :class:`ModelStructure`
+    (``k3compile.export.structure``), checked for ``target`` (a format's name) first."""
+    if isinstance(source, ModelStructure):
+        from k3compile.export.structure import trace_structure
+
+        return trace_structure(source, options, target, with_collectives)
+    return trace_step(load_exportable(source, options, target, with_collectives), options)
 
 
 def move_into_place(staged: Path, parent: Path) -> int:
