@@ -43,7 +43,7 @@ from k3compile.export.custom_ops import (
     reference,
     restore_output_types,
 )
-from k3compile.export.structure import lift_weights
+from k3compile.export.structure import lift_weights, trace_source
 from k3compile.export.trace import (
     STEP_INPUTS,
     ExportOptions,
@@ -51,7 +51,6 @@ from k3compile.export.trace import (
     ModelStructure,
     check_output_path,
     move_into_place,
-    trace_source,
 )
 
 __all__ = ["STEP_INPUTS", "export_onnx"]

@@ -12,10 +12,13 @@ the caches, named by their parameter, with their shapes and types and no values.
 initializers without data: ``onnx.checker`` needs an initializer's bytes, and ONNX
 external data would have to point at a file that does not exist. The model's metadata
 says so (``k3compile.structure_only``, ``k3compile.structure``). It passes the full check;
-no runtime can run it without the weights.
+no runtime can run it without the weights. :func:`trace_source` traces either kind of
+source: an artifact (``k3compile.export.trace``) or a structure.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -23,10 +26,12 @@ from k3compile.export.trace import (
     ExportOptions,
     ModelStructure,
     TracedStep,
-    decode_example,
     check_plan,
     check_program,
+    decode_example,
     export_step,
+    load_exportable,
+    trace_step,
 )
 
 
@@ -84,3 +89,12 @@ def lift_weights(model) -> list[str]:
         value.const_value = None
         graph.inputs.append(value)
     return names
+
+
+def trace_source(source: str | Path | ModelStructure, options: ExportOptions, target: str,
+                 with_collectives: bool = True) -> TracedStep:
+    """The traced step of ``source``, an artifact directory or a :class:`ModelStructure`
+    (``k3compile.export.structure``), checked for ``target`` (a format's name) first."""
+    if isinstance(source, ModelStructure):
+        return trace_structure(source, options, target, with_collectives)
+    return trace_step(load_exportable(source, options, target, with_collectives), options)

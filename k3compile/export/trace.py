@@ -268,17 +268,6 @@ def trace_step(artifact, options: ExportOptions) -> TracedStep:
                            options, info.tp, info.dcp)
 
 
-def trace_source(source: str | Path | ModelStructure, options: ExportOptions, target: str,
-                 with_collectives: bool = True) -> TracedStep:
-    """The traced step of ``source``, an artifact directory or a :class:`ModelStructure`
-    (``k3compile.export.structure``), checked for ``target`` (a format's name) first."""
-    if isinstance(source, ModelStructure):
-        from k3compile.export.structure import trace_structure
-
-        return trace_structure(source, options, target, with_collectives)
-    return trace_step(load_exportable(source, options, target, with_collectives), options)
-
-
 def move_into_place(staged: Path, parent: Path) -> int:
     """Move every file of the directory ``staged`` into ``parent`` (``os.replace``, each one
     atomic); their total bytes. Exporters write and check their files in a temporary
