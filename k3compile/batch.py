@@ -66,6 +66,13 @@ class CacheShape:
             if getattr(self, name) < 1:
                 raise ValueError(f"CacheShape.{name} must be >= 1, got {getattr(self, name)}")
 
+    @classmethod
+    def serving(cls, sequences: int, local_length: int, block_size: int) -> CacheShape:
+        """The runtime's caches for ``sequences`` sequences of up to ``local_length`` tokens
+        on this rank, plus the reserved state slot and MLA block it keeps for itself."""
+        blocks = -(-local_length // block_size)
+        return cls(num_slots=sequences + 1, num_blocks=sequences * blocks + 1, block_size=block_size)
+
 
 #: ``--kv-cache-dtype``: "auto" the model dtype, "bf16", "fp8" the target's FP8 format
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp8")

@@ -261,11 +261,9 @@ class Runtime:
         self.layout = ContextLayout.of(self.plan)
         init_context_parallel(self.plan)
         bs = artifact.info.block_size
-        blocks_per_seq = -(-self.layout.max_local_length(options.max_context) // bs)
-        self.max_blocks_per_seq = blocks_per_seq
-        shape = CacheShape(
-            num_slots=options.max_sequences + 1, num_blocks=options.max_sequences * blocks_per_seq + 1, block_size=bs
-        )
+        local_length = self.layout.max_local_length(options.max_context)
+        self.max_blocks_per_seq = -(-local_length // bs)
+        shape = CacheShape.serving(options.max_sequences, local_length, bs)
         check_fits(device, weight_bytes(artifact.programs["decode"]),
                    cache_bytes(self.cfg, self.plan, shape, info.dtype, info.kv_cache_dtype),
                    f"max_sequences={options.max_sequences} and max_context={options.max_context}")

@@ -67,9 +67,8 @@ def trace_structure(structure: ModelStructure, options: ExportOptions, target: s
     check_program(program.graph_module, options, target, with_collectives, structure.tp, structure.dcp)
     plan = ParallelPlan(structure.tp, options.rank, structure.dcp, structure.dcp_interleave)
     layout = ContextLayout.of(plan)
-    blocks = -(-layout.max_local_length(options.max_context) // memory.block_size)
-    shape = CacheShape(num_slots=options.max_sequences + 1, num_blocks=options.max_sequences * blocks + 1,
-                       block_size=memory.block_size)  # as the runtime sizes its caches
+    shape = CacheShape.serving(options.max_sequences, layout.max_local_length(options.max_context),
+                               memory.block_size)
     caches = allocate_caches(structure.config, plan, shape, structure.dtype, torch.device("meta"),
                              structure.kv_cache_dtype)
     example = decode_example(SequenceTable(structure.config.vocab_size, shape, reserved_slots=1, reserved_blocks=1,
