@@ -60,7 +60,8 @@ def test_kda_prefill_at_k3_shapes(group_chunks):
     s_ref = x["state"].clone()
     o_ref = kda_prefill_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], s_ref, x["cu"], x["slots"],
                                   x["q"].shape[-1] ** -0.5)
-    assert rel_err(o, o_ref) <= 2.0**-7 and rel_err(s_kernel, s_ref) <= 2.0**-8
+    # the states: 2^-7 (the keys' bf16 rounding summed over every token; tests/test_kernel_kda_prefill.py)
+    assert rel_err(o, o_ref) <= 2.0**-7 and rel_err(s_kernel, s_ref) <= 2.0**-7
     assert torch.equal(s_kernel[1], x["state"][1])
 
 

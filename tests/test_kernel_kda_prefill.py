@@ -7,10 +7,12 @@ in place in the given slots and nowhere else, a sequence continued from a state 
 call left, shapes the kernels do not take (the reference runs) and bad inputs (a clear
 error before any work); and against fla-core's naive chunked form, the peer. Tolerance:
 fp32 throughout, the chunked math of the reference in another order (products and sums
-over up to 64 tokens): 2e-5 of the largest value in fp32; for bf16 inputs 2^-8 (one
-bf16 rounding of the output and of the bf16 workspaces the state pass multiplies,
-``kda_prefill.work_dtype``, and on CUDA GPUs the tf32 products of the preparation:
-``kda_prefill.dot_precision``).
+over up to 64 tokens): 2e-5 of the largest value in fp32; for bf16 inputs 2^-8 for the
+outputs (one bf16 rounding of the output and of the bf16 workspaces the state pass
+multiplies, ``kda_prefill.work_dtype``, and on CUDA GPUs the tf32 products of the
+preparation: ``kda_prefill.dot_precision``) and 2^-7 for the states (the normalised keys
+are rounded to bf16 as well, as fla-core's l2norm writes them, and the state sums them
+over every token).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def run_both(x: dict[str, object], chunk: int, scale: float = 0.25, group_chunks
     return o.cpu(), s_kernel.cpu(), o_ref, s_ref
 
 
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str, bf16_tol: float = 2.0**-8) -> None:
     scale = want.float().abs().max().clamp(min=1.0)
-    tol = 2e-5 if dtype == torch.float32 else 2.0**-8
+    tol = 2e-5 if dtype == torch.float32 else bf16_tol
     err = float((got.float() - want.float()).abs().max() / scale)
     assert err <= tol, f"{what}: max error {err:.3g} of the largest value, tolerance {tol:.3g}"
 
@@ -66,12 +68,11 @@ def test_ragged_batch_at_every_chunk_residue(dtype):
     x = make(lens, dtype=dtype, slots=slots, states=9)
     reset_kernel_launches()
     o, state, o_ref, state_ref = run_both(x, chunk=16, group_chunks=0)
-    assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_state_pass_kernel": 1,
-                                 "_kda_chunk_output_kernel": 1}
+    assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_state_pass_kernel": 1}
     assert o.dtype == dtype and o.shape == o_ref.shape
     close(o, o_ref, dtype, "o")
     # a bf16 model's products run at the backend's fp32-operand precision (tf32 on CUDA GPUs)
-    close(state, state_ref, dtype, "state")
+    close(state, state_ref, dtype, "state", bf16_tol=2.0**-7)
     assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])  # slots no sequence owns
 
 
@@ -86,7 +87,7 @@ def test_chunk_groups_at_every_group_residue(group_chunks):
     reset_kernel_launches()
     o, state, o_ref, state_ref = run_both(x, chunk=16, group_chunks=group_chunks)
     assert kernel_launches() == {"_kda_chunk_prep_kernel": 1, "_kda_state_pass_kernel": 2,
-                                 "_kda_group_scan_kernel": 1, "_kda_chunk_output_kernel": 1}
+                                 "_kda_group_scan_kernel": 1}
     close(o, o_ref, torch.float32, "o")
     close(state, state_ref, torch.float32, "state")
     assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])
@@ -216,12 +217,12 @@ def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
 def test_kernels_compile_for_every_target(aot_reports):
     """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16), compiled as
     the runtime launches them (on AMD with ROCm's buffer loads): every kernel
-    (preparation, state pass and group summaries, group scan, outputs) compiles and fits
+    (preparation, state pass with the outputs, group summaries, group scan) compiles and fits
     its targets' shared memory / LDS without spills on AMD; on sm_90 at most 16 words a
     thread, and at most 24 for the preparation under its register cap (20 observed:
     three programs per SM with those spills were measured faster than two without,
     kda_prefill.PREP_MAX_REGISTERS)."""
-    assert len(aot_reports) == 5 * len(aot.TARGETS)
+    assert len(aot_reports) == 4 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
         allowed = 0 if target.startswith("gfx") else 24 if name == "kda_prefill prep" else 16
         assert res.fits, (target, name, res)

@@ -14,9 +14,10 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
     S1       = e^{G_last} S0 + (beta k e^{G_last - G})^T U
 
 ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on the
-state, for every chunk of every sequence in parallel: the norms and G (to a scratch
-tile); A and Aq by row blocks of 16 (sub-chunks), each a [16, 64] product against the
-whole chunk's keys, accumulated over head-dim slices (:data:`HEAD_SLICE`) so that each
+state, for every chunk of every sequence in parallel: the norms and G (to scratch
+tiles: q and k in the workspaces' dtype, as fla-core's l2norm writes them, G in fp32);
+A and Aq by row blocks of 16 (sub-chunks), each a [16, 64] product against the whole
+chunk's keys, accumulated over head-dim slices (:data:`HEAD_SLICE`) so that each
 slice of the keys is loaded once for the four row blocks, with the decay split at the
 row block's first token (e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}; for keys
 before the row block both exponents are <= 0, so nothing overflows however strong the
@@ -25,23 +26,23 @@ decay, taken as a product below e^80, else one key column at a time); T = (I + A
 blocks (the diagonal ones as a product of log2(16) factors, the others by products); W
 and U~; the factors the state pass multiplies by (q e^G, beta k e^{G_last - G},
 e^{G_last}). Stored in workspaces per (chunk, head) (:func:`work_dtype`).
-Then ``kda_prefill_scan``: the state pass (by chunk groups where sequences x heads leave
-the GPU idle) and the outputs.
+Then ``kda_prefill_scan``: the state pass, which writes the outputs as it walks the chunks
+(by chunk groups where sequences x heads leave the GPU idle).
 
 Workspaces at D = DV = 128 in a bf16 model: about 72 KB per (chunk, head) of the
-preparation's outputs, 128 KB of fp32 scratch (q, k, G, A, T) freed after it, then each
-chunk's start state (32 KB): at most about 1.2 GB for 32K tokens at 12 heads, freed after
-the call (about 1.7 GB for an fp32 model, whose outputs double);
+preparation's outputs and 96 KB of scratch (q and k in bf16; G, A and T in fp32) freed
+after it: at most about 1.0 GB for 32K tokens at 12 heads, freed after the call (about
+1.7 GB for an fp32 model, whose outputs and q / k scratch double);
 ``RuntimeOptions.prefill_chunk`` bounds them.
 
 Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
 after the previous sequences', and the grids are sized for the worst case,
 ``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
 
-Numerics: the preparation in fp32, its products exact for an fp32 model, at the backend's
+Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype), its products exact for an fp32 model, at the backend's
 default precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact
 fp32 products spilled thousands of bytes per thread on sm_90, AOT), the diagonal blocks'
-inverse always exact; the state pass and the outputs multiply the workspaces' dtype
+inverse always exact; the state pass and its outputs multiply the workspaces' dtype
 (bf16 for a bf16 model, as fla-core does) with fp32 sums and an fp32 carried state.
 Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
 neither decay nor write the state, as in the reference.
@@ -89,7 +90,7 @@ WARPS = {"sm_90": {"prep": 4, "scan": 4}, "gfx950": {"prep": 4, "scan": 4}, "gfx
 PREP_MAX_REGISTERS = {"sm_90": 168}
 SCAN_STAGES = {"sm_90": 2, "gfx950": 1, "gfx942": 1}
 #: the kernels' pointers to workspaces in :func:`work_dtype`
-WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr", "chunk_states_ptr")
+WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr")
 
 
 @triton.jit
@@ -103,8 +104,8 @@ def _row_block_products(q_s, k_s, g_s, a: tl.constexpr, k_c, g_c, sub, dks, acc_
     g_ref = tl.load(g_s + a * BC * D + dks)
     e_a = tl.exp(tl.load(g_s + tile) - g_ref[None, :])
     kt = tl.trans(k_c * tl.exp(tl.minimum(g_ref[None, :] - g_c, MAX_EXP)))
-    return (tl.dot(tl.load(k_s + tile) * e_a, kt, acc_a, input_precision=DOT_PRECISION),
-            tl.dot(tl.load(q_s + tile) * e_a, kt, acc_q, input_precision=DOT_PRECISION))
+    return (tl.dot(tl.load(k_s + tile).to(tl.float32) * e_a, kt, acc_a, input_precision=DOT_PRECISION),
+            tl.dot(tl.load(q_s + tile).to(tl.float32) * e_a, kt, acc_q, input_precision=DOT_PRECISION))
 
 
 @triton.jit
@@ -125,13 +126,13 @@ def _diagonal_by_columns(q_s, k_s, g_s, a, sub, dk, D: tl.constexpr, BC: tl.cons
     them)."""
     tile = (a * BC + sub)[:, None] * D + dk[None, :]
     G_a = tl.load(g_s + tile)
-    k_a = tl.load(k_s + tile)
-    q_a = tl.load(q_s + tile)
+    k_a = tl.load(k_s + tile).to(tl.float32)
+    q_a = tl.load(q_s + tile).to(tl.float32)
     blk_a = tl.zeros([BC, BC], dtype=tl.float32)
     blk_q = tl.zeros([BC, BC], dtype=tl.float32)
     for j in range(BC):
         G_j = tl.load(g_s + (a * BC + j) * D + dk)
-        kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk)[None, :]
+        kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk).to(tl.float32)[None, :]
         col = (sub == j)[None, :]
         blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
         blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
@@ -144,7 +145,7 @@ def _kda_chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [T, H, D], [T, H, D], [T, H, DV], [T, H, D] fp32, [T, H] fp32
     cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,  # cu_seqlens [N+1]; per chunk: sequence, first token; [1]
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
-    scratch_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised and G [3, BT, D]; A and T [BT, BT]
+    qk_ptr, gc_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised [2, BT, D]; G [BT, D]; A and T [BT, BT]
     scale, H, eps,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -163,16 +164,16 @@ def _kda_chunk_prep_kernel(
     tok = (t0 + rows).to(tl.int64)
     base = (c * H + h).to(tl.int64)
     tile = rows[:, None] * D + dk[None, :]
-    q_s = scratch_ptr + base * 3 * BT * D  # the three [BT, D] scratch tiles: q, k, G
+    q_s = qk_ptr + base * 2 * BT * D  # the scratch tiles [BT, D]: q and k in the workspaces' dtype, G in fp32
     k_s = q_s + BT * D
-    g_s = k_s + BT * D
+    g_s = gc_ptr + base * BT * D
 
     # 1. The norms and G, to scratch: the blocks below read them by sub-chunk.
     qk_off = (tok[:, None] * H + h) * D + dk[None, :]
     q = tl.load(q_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
-    tl.store(q_s + tile, q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale)
-    tl.store(k_s + tile, k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None])
+    tl.store(q_s + tile, (q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale).to(qk_ptr.dtype.element_ty))
+    tl.store(k_s + tile, (k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None]).to(qk_ptr.dtype.element_ty))
     tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
     tl.debug_barrier()
 
@@ -193,7 +194,7 @@ def _kda_chunk_prep_kernel(
     for d0 in range(0, D, BD):
         dks = d0 + tl.arange(0, BD)
         chunk_tile = rows[:, None] * D + dks[None, :]
-        k_c = tl.load(k_s + chunk_tile)
+        k_c = tl.load(k_s + chunk_tile).to(tl.float32)
         g_c = tl.load(g_s + chunk_tile)
         A0, Q0 = _row_block_products(q_s, k_s, g_s, 0, k_c, g_c, sub, dks, A0, Q0, D, BC, DOT_PRECISION)
         if NC >= 2:
@@ -257,12 +258,12 @@ def _kda_chunk_prep_kernel(
         G_d = tl.load(g_s + blk)
         eG_d = tl.exp(G_d)
         G_last = tl.load(g_s + (BT - 1) * D + cols_d)
-        k_d = tl.load(k_s + blk)
+        k_d = tl.load(k_s + blk).to(tl.float32)
         w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)
         tl.store(w_ptr + base * BT * D + blk, w.to(w_ptr.dtype.element_ty))
         ke = k_d * tl.exp(G_last[None, :] - G_d) * beta[:, None]
         tl.store(ke_ptr + base * BT * D + blk, ke.to(ke_ptr.dtype.element_ty))
-        tl.store(qg_ptr + base * BT * D + blk, (tl.load(q_s + blk) * eG_d).to(qg_ptr.dtype.element_ty))
+        tl.store(qg_ptr + base * BT * D + blk, (tl.load(q_s + blk).to(tl.float32) * eG_d).to(qg_ptr.dtype.element_ty))
         tl.store(gl_ptr + base * D + cols_d, tl.exp(G_last))
     for e0 in range(0, DV, BW):
         cols_v = e0 + wide
@@ -379,7 +380,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     u = torch.empty((worst, H, chunk, DV), **work)
     aq = torch.empty((worst, H, chunk, chunk), **work)
     a, t_inv = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(2))
-    scratch = torch.empty((worst, H, 3, chunk, D), **f32)
+    qk = torch.empty((worst, H, 2, chunk, D), **work)
+    g_cum = torch.empty((worst, H, chunk, D), **f32)
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
     precision = dot_precision(v.dtype)
@@ -387,18 +389,18 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     warps = WARPS[target]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
-        w, u, aq, qg, ke, gl, scratch, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
+        w, u, aq, qg, ke, gl, qk, g_cum, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
         BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(target, D), BW=w_block(D, DV), DOT_PRECISION=precision,
         num_warps=warps["prep"], num_stages=1,
         **register_cap(target, PREP_MAX_REGISTERS.get(target)),
     )
-    del scratch, a, t_inv  # the state pass's chunk states reuse their memory
+    del qk, g_cum, a, t_inv
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X[target], D, DV)
-    chunk_states = torch.empty((worst, H, D, DV), **work)
     fp32_dot = interpreted()  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
-    c = {"D": D, "DV": DV, "DOT_PRECISION": precision, "num_warps": warps["scan"],
-         "num_stages": SCAN_STAGES[target]}
+    c = {"D": D, "DV": DV, "BT": chunk, "BX": bx, "DOT_PRECISION": precision, "FP32_DOT": fp32_dot,
+         "num_warps": warps["scan"], "num_stages": SCAN_STAGES[target]}
+    factors = (w, u, ke, gl, qg, aq, o, table.cu, table.seq, table.first)
     if group_chunks is None:
         group_chunks = scan.group_size(N, H, DV // bx, worst, compute_units(dev)) or 0
     if group_chunks:
@@ -407,21 +409,18 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         n = seg.chunk0.numel()
         summary = torch.empty((n, H, D, D + DV), **f32)
         starts = torch.empty((n, H, D, DV), **f32)
-        scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](  # summaries: start tiles, rows, chunk states unread
-            w, u, ke, gl, starts, seg.chunk0, summary, seg.chunk0, chunk_states, seg.chunk0, seg.chunks, seg.count,
-            H, BT=chunk, BX=bx, SUMMARY=True, FP32_DOT=fp32_dot, **c)
+        scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](  # summaries: start tiles and outputs unread
+            *factors, starts, seg.chunk0, summary, seg.chunk0, seg.chunk0, seg.chunks, seg.count, H, SUMMARY=True, **c)
         scan._kda_group_scan_kernel[(N, H, DV // bx)](
-            summary, starts, state, slots, groups.seq_first, groups.seq_groups, H, BV=bx, **c)
+            summary, starts, state, slots, groups.seq_first, groups.seq_groups, H, D=D, DV=DV, BV=bx,
+            DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=SCAN_STAGES[target])
         scan._kda_state_pass_kernel[(n, H, DV // bx)](
-            w, u, ke, gl, starts, torch.arange(n, device=dev), state, torch.full((n,), -1, device=dev), chunk_states,
-            seg.chunk0, seg.chunks, seg.count, H, BT=chunk, BX=bx, SUMMARY=False, FP32_DOT=fp32_dot, **c)
+            *factors, starts, torch.arange(n, device=dev), state, torch.full((n,), -1, device=dev), seg.chunk0,
+            seg.chunks, seg.count, H, SUMMARY=False, **c)
     else:
         scan._kda_state_pass_kernel[(N, H, DV // bx)](
-            w, u, ke, gl, state, slots, state, slots, chunk_states, table.seq_first, table.seq_chunks,
-            table.seq_first.new_tensor([N]), H, BT=chunk, BX=bx, SUMMARY=False, FP32_DOT=fp32_dot, **c)
-    scan._kda_chunk_output_kernel[(worst, H, DV // bx)](
-        qg, aq, u, chunk_states, o, table.cu, table.seq, table.first, table.count, H, BT=chunk, BV=bx,
-        FP32_DOT=fp32_dot, **c)
+            *factors, state, slots, state, slots, table.seq_first, table.seq_chunks, table.seq_first.new_tensor([N]),
+            H, SUMMARY=False, **c)
     return o
 
 
@@ -429,7 +428,7 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     """Every kernel as the launcher runs it on ``target`` (a key of ``aot.TARGETS``) at K3's
     per-rank shapes (12 heads, D = DV = 128): the preparation, the state pass (states and
-    group summaries), the group scan and the outputs."""
+    outputs; group summaries) and the group scan."""
     warps = WARPS[target]
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
@@ -438,8 +437,8 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
               "BW": w_block(head_dim, head_dim), "DOT_PRECISION": precision}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
-                  **{p: f"*{wt}" for p in WORKSPACES},
-                  **{p: "*fp32" for p in ("gl_ptr", "scratch_ptr", "a_ptr", "t_ptr")},
+                  **{p: f"*{wt}" for p in (*WORKSPACES, "qk_ptr")},
+                  **{p: "*fp32" for p in ("gl_ptr", "gc_ptr", "a_ptr", "t_ptr")},
                   "scale": "fp32", "eps": "fp32"}
     launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
@@ -455,9 +454,7 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                          {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": False, "FP32_DOT": False}),
                         ("kda_prefill group summaries", scan._kda_state_pass_kernel,
                          {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True, "FP32_DOT": False}),
-                        ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx}),
-                        ("kda_prefill outputs", scan._kda_chunk_output_kernel,
-                         {**dims, "BT": CHUNK, "BV": bx, "FP32_DOT": False})):
+                        ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx})):
         launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[target]))
     return launches
 

@@ -1,6 +1,6 @@
 """KDA prefill after the preparation: the chunks' state recurrence (the only sequential
-part), by chunk groups when the sequences and heads alone do not fill the GPU, then every
-chunk's output in parallel.
+part) and, in the same walk, every chunk's output; by chunk groups when the sequences and
+heads alone do not fill the GPU.
 
 From the preparation's per-(chunk, head) factors (``kda_prefill.py``: W, U~, KE = beta k
 e^{G_last - G}, GL = e^{G_last}, QG = q e^G, Aq), with S_c the state a chunk starts from:
@@ -14,18 +14,18 @@ Launches:
 
 1. ``_kda_state_pass_kernel``, grid (segments, heads, column tiles): a segment's chunks in
    order, a [D, BX] column tile X in registers, X <- GL X + KE^T (U~ - W X), two products
-   a chunk. STATES: a segment is a sequence or a chunk group and X a tile of its state: each
-   chunk's S_c is stored and U_c replaces U~_c in place. SUMMARY: a segment is a chunk group
-   and X a tile of [M_g | B_g] [D, D + DV], the group as one affine map S -> M_g S + B_g
-   (X starts as [I | 0]; the M columns skip U~).
+   a chunk. STATES: a segment is a sequence or a chunk group and X a tile of its state;
+   the chunk's output columns o_c[:, tile] = QG_c X + Aq_c U_c[:, tile] are two more
+   products off the recurrence's chain (S_c and U_c are never stored). SUMMARY: a segment
+   is a chunk group and X a tile of [M_g | B_g] [D, D + DV], the group as one affine map
+   S -> M_g S + B_g (X starts as [I | 0]; the M columns skip U~).
 2. ``_kda_group_scan_kernel``, grid (sequences, heads, value tiles): S <- M_g S + B_g over a
    sequence's groups, storing each group's start state; the final state into its slot.
-3. ``_kda_chunk_output_kernel``, grid (chunks, heads, value tiles): o_c.
 
-Without groups: (1, STATES) over sequences from the state slots, storing the final states,
-then (3). With groups of G chunks: (1, SUMMARY), (2), (1, STATES) over groups from their
-start states, (3): about three times the state work, spread over G times as many programs,
-and a sequential chain of 2 G + (chunks / G) chunk steps instead of one per chunk.
+Without groups: (1, STATES) over sequences from the state slots, storing the final states.
+With groups of G chunks: (1, SUMMARY), (2), (1, STATES) over groups from their start
+states: about three times the state work, spread over G times as many programs, and a
+sequential chain of 2 G + (chunks / G) chunk steps instead of one per chunk.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ BLOCK_X = {"sm_90": 64, "gfx950": 32, "gfx942": 32}
 @triton.jit
 def _kda_state_pass_kernel(
     w_ptr, u_ptr, ke_ptr, gl_ptr,  # the preparation's [chunks, H, BT, D], [.., BT, DV], [.., BT, D], [.., D]
+    qg_ptr, aq_ptr, o_ptr,  # STATES: [chunks, H, BT, D], [.., BT, BT]; the outputs o [T, H, DV]
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,  # STATES: cu_seqlens [N+1]; per chunk: sequence, first token
     x0_ptr, x0_row_ptr,  # STATES: start tiles [*, H, D, DV], segment s at row x0_row[s]
     end_ptr, end_row_ptr,  # STATES: final states [*, H, D, DV] at row end_row[s] (< 0: none); SUMMARY: [s, H, D, D + DV]
-    chunk_states_ptr,  # STATES: each chunk's start state [chunks, H, D, DV]
     seg_chunk0_ptr, seg_chunks_ptr, n_seg_ptr,  # per segment: first chunk, chunk count; [1] segments
     H,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BX: tl.constexpr, SUMMARY: tl.constexpr,
@@ -75,18 +76,24 @@ def _kda_state_pass_kernel(
         ucols = cols
     u_mask = (ucols >= 0)[None, :]
     for cc in range(tl.load(seg_chunks_ptr + s)):
-        base = ((c0 + cc) * H + h).to(tl.int64)
+        c = c0 + cc
+        base = (c * H + h).to(tl.int64)
         W = tl.load(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
         KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
         GL = tl.load(gl_ptr + base * D + dk)
-        u_tile = u_ptr + base * BT * DV + rows[:, None] * DV + ucols[None, :]
         Xw = X.to(W.dtype)  # the products' operands in the workspaces' dtype, X itself stays fp32
-        Y = tl.load(u_tile, mask=u_mask, other=0.0).to(tl.float32) - tl.dot(
-            W.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)
+        Y = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + ucols[None, :], mask=u_mask,
+                    other=0.0).to(tl.float32) - tl.dot(W.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)
         Yw = Y.to(W.dtype)
         if not SUMMARY:
-            tl.store(chunk_states_ptr + (base * D + dk[:, None]) * DV + cols[None, :], Xw)
-            tl.store(u_tile, Yw)
+            QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
+            Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
+            o = tl.dot(QG.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)
+            o += tl.dot(Aq.to(dot_ty), Yw.to(dot_ty), input_precision=DOT_PRECISION)
+            tok = (tl.load(chunk_first_ptr + c) + rows).to(tl.int64)
+            end = tl.load(cu_ptr + tl.load(chunk_seq_ptr + c) + 1)
+            tl.store(o_ptr + (tok[:, None] * H + h) * DV + cols[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=(tok < end)[:, None])
         X = GL[:, None] * X + tl.dot(KEt.to(dot_ty), Yw.to(dot_ty), input_precision=DOT_PRECISION)
     if SUMMARY:
         tl.store(end_ptr + ((s.to(tl.int64) * H + h) * D + dk[:, None]) * XC + cols[None, :], X)
@@ -119,37 +126,6 @@ def _kda_group_scan_kernel(
         M = tl.load(summary + dk[None, :])
         S = tl.dot(M, S, input_precision=DOT_PRECISION) + tl.load(summary + D + cols[None, :])
     tl.store(state_ptr + s_off, S)
-
-
-@counted
-@triton.jit
-def _kda_chunk_output_kernel(
-    qg_ptr, aq_ptr, u_ptr, chunk_states_ptr, o_ptr,  # U_c (corrected) and S_c from the state pass; o [T, H, DV]
-    cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,
-    H,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    if c >= tl.load(n_chunks_ptr):
-        return
-    cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    rows = tl.arange(0, BT)
-    dk = tl.arange(0, D)
-    t0 = tl.load(chunk_first_ptr + c)
-    end = tl.load(cu_ptr + tl.load(chunk_seq_ptr + c) + 1)
-    base = (c * H + h).to(tl.int64)
-    S = tl.load(chunk_states_ptr + (base * D + dk[:, None]) * DV + cols[None, :])
-    U = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + cols[None, :])
-    QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
-    Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
-    dot_ty: tl.constexpr = tl.float32 if FP32_DOT else qg_ptr.dtype.element_ty
-    o = tl.dot(QG.to(dot_ty), S.to(dot_ty), input_precision=DOT_PRECISION)
-    o += tl.dot(Aq.to(dot_ty), U.to(dot_ty), input_precision=DOT_PRECISION)
-    tok = (t0 + rows).to(tl.int64)
-    tl.store(o_ptr + (tok[:, None] * H + h) * DV + cols[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=(tok < end)[:, None])
 
 
 @dataclass(frozen=True)

@@ -269,8 +269,8 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     tile, square = worst * H * BT * D, worst * H * BT * BT
     sizes = {"q_ptr": T * H * D * act, "k_ptr": T * H * D * act, "v_ptr": T * H * D * act, "o_ptr": T * H * D * act,
              "g_ptr": T * H * D * 4, **{n: tile * work for n in ("w_ptr", "u_ptr", "qg_ptr", "ke_ptr")},
-             "aq_ptr": square * work, "scratch_ptr": 3 * tile * 4, "a_ptr": square * 4, "t_ptr": square * 4,
-             "chunk_states_ptr": worst * H * D * D * work}
+             "aq_ptr": square * work, "qk_ptr": 2 * tile * work, "gc_ptr": tile * 4, "a_ptr": square * 4,
+             "t_ptr": square * 4}
     if not kda_prefill.kernel_takes_dims(D, D):
         return []  # the reference: reference_fallbacks
     launches = {launch.name: aot.specialised(_sized(launch, sizes), H=H)
@@ -290,8 +290,6 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     else:
         out.append(PlannedLaunch("prefill", "kda prefill state pass", launches["kda_prefill state pass"],
                                  s.batch * H * tiles, "one segment a sequence"))
-    out.append(PlannedLaunch("prefill", "kda prefill outputs", launches["kda_prefill outputs"], worst * H * tiles,
-                             f"{tiles} state tiles a chunk"))
     return out
 
 
