@@ -66,7 +66,7 @@ KERNELS_OF_OP = {
     # under DCP the prefill runs the DCP1 op over the all-gathered history; for tiny-h24's
     # two-token prompt its expanded form takes fewer FLOPs (mla_prefill_expanded.prefill_form)
     "k3.mla_prefill.default": ("_mla_expanded_kernel",),
-    "k3.short_conv_prefill.default": ("_short_conv_kernel", "_conv_state_kernel"),
+    "k3.short_conv_prefill.default": ("_chunk_table_kernel", "_short_conv_kernel", "_conv_state_kernel"),
 }
 #: ... and with an FP8 cache
 FP8_CACHE_WRITE = {"k3.mla_cache_write.default": ("_mla_cache_write_fp8_kernel",)}
@@ -81,7 +81,7 @@ DECODE_ONLY = {"kda_decode_kernel", "_mla_decode_split_kv_kernel", "_combine_spl
 #: short convs run their prefill kernels; k3.kda_prefill
 #: has kernels (runtime/kernels/kda_prefill.py) for head dims >= 16: tiny-h24's are 8, so its
 #: reference runs here (tests/test_kernel_kda_prefill.py covers the kernels)
-PREFILL_ONLY = {"_mla_expanded_kernel", "_short_conv_kernel", "_conv_state_kernel"}
+PREFILL_ONLY = {"_mla_expanded_kernel", "_chunk_table_kernel", "_short_conv_kernel", "_conv_state_kernel"}
 
 
 def _k3_ops(module: GraphModule) -> dict[str, int]:

@@ -35,14 +35,15 @@ after it: at most about 1.0 GB for 32K tokens at 12 heads, freed after the call 
 1.7 GB for an fp32 model, whose outputs and q / k scratch double);
 ``RuntimeOptions.prefill_chunk`` bounds them.
 
-Chunks are found on the device (:func:`chunk_table`): each sequence's chunks are numbered
-after the previous sequences', and the grids are sized for the worst case,
+Chunks are found on the device (:func:`chunk_table`, one launch: a prefill's host time
+before its first kernel is launches): each sequence's chunks are numbered after the
+previous sequences', and the grids are sized for the worst case,
 ``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
 
-Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype), its products exact for an fp32 model, at the backend's
-default precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact
-fp32 products spilled thousands of bytes per thread on sm_90, AOT), the diagonal blocks'
-inverse always exact; the state pass and its outputs multiply the workspaces' dtype
+Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype),
+its products exact for an fp32 model, at the backend's default precision for fp32
+operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32 products spilled
+thousands of bytes per thread on sm_90, AOT), the diagonal blocks' inverse always exact; the state pass and its outputs multiply the workspaces' dtype
 (bf16 for a bf16 model, as fla-core does) with fp32 sums and an fp32 carried state.
 Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
 neither decay nor write the state, as in the reference.
@@ -277,26 +278,77 @@ def _kda_chunk_prep_kernel(
 class ChunkTable:
     """Packed sequences cut in chunks of ``chunk`` tokens, numbered sequence after
     sequence, for a worst-case grid of ``cdiv(T, chunk) + N`` programs (every sequence may
-    end in a partial chunk); computed on the device, no host synchronisation."""
+    end in a partial chunk); computed on the device by one launch, no host synchronisation."""
 
     cu: Tensor  # cu_seqlens as int64 [N+1]
     seq: Tensor  # [worst] each chunk's sequence (programs past ``count`` exit)
     first: Tensor  # [worst] each chunk's first token
     count: Tensor  # [1] the real number of chunks
+    sequences: Tensor  # [1] N
     seq_first: Tensor  # [N] each sequence's first chunk
     seq_chunks: Tensor  # [N] its chunk count
 
 
+#: chunk ids and sequences per block of the chunk-table kernel (their [ids, sequences]
+#: comparisons are live together), and its warps
+TABLE_BLOCK = 128
+TABLE_SEQUENCES = 32
+TABLE_WARPS = 4
+
+
+@counted
+@triton.jit
+def _chunk_table_kernel(
+    cu_in_ptr, cu_ptr, seq_ptr, first_ptr, counts_ptr, seq_first_ptr, seq_chunks_ptr,  # ChunkTable's tensors
+    N, worst, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
+):
+    """Program p: chunk ids [p BLOCK, (p + 1) BLOCK). A chunk's sequence is the number of
+    sequences whose chunks end at or before it (``searchsorted(ends, id, right=True)``),
+    its sequence's first chunk the largest of those ends; BS sequences at a time. Program
+    0 also writes the per-sequence columns, cu_seqlens as int64 and the counts [chunks, N]."""
+    ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    first_program = tl.program_id(0) == 0
+    seq = tl.zeros([BLOCK], dtype=tl.int32)
+    start = tl.zeros([BLOCK], dtype=tl.int32)
+    total = tl.zeros([], dtype=tl.int32)
+    for s0 in range(0, N, BS):
+        i = s0 + tl.arange(0, BS)
+        real = i < N
+        lo = tl.load(cu_in_ptr + i, mask=real, other=0).to(tl.int64)
+        tokens = tl.load(cu_in_ptr + i + 1, mask=real, other=0).to(tl.int64) - lo
+        n = tl.where(real, (tokens + CHUNK - 1) // CHUNK, 0).to(tl.int32)
+        ends = total + tl.cumsum(n, 0)
+        before = (ends[None, :] <= ids[:, None]) & real[None, :]
+        seq += tl.sum(before.to(tl.int32), axis=1)
+        start = tl.maximum(start, tl.max(tl.where(before, ends[None, :], 0), axis=1))
+        if first_program:
+            tl.store(cu_ptr + i, lo, mask=real)
+            tl.store(seq_first_ptr + i, (ends - n).to(tl.int64), mask=real)
+            tl.store(seq_chunks_ptr + i, n.to(tl.int64), mask=real)
+        total += tl.sum(n, 0)
+    seq = tl.minimum(seq, N - 1)
+    in_grid = ids < worst
+    tl.store(seq_ptr + ids, seq.to(tl.int64), mask=in_grid)
+    tl.store(first_ptr + ids, tl.load(cu_in_ptr + seq, mask=in_grid, other=0).to(tl.int64)
+             + (ids - start).to(tl.int64) * CHUNK, mask=in_grid)
+    if first_program:
+        tl.store(cu_ptr + N, tl.load(cu_in_ptr + N).to(tl.int64))
+        tl.store(counts_ptr, total.to(tl.int64))
+        tl.store(counts_ptr + 1, total.to(tl.int64) * 0 + N)
+
+
 def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
     """The :class:`ChunkTable` of ``total`` packed tokens delimited by ``cu_seqlens``."""
-    cu = cu_seqlens.to(dtype=torch.int64)
-    N = cu.numel() - 1
-    chunks = (cu[1:] - cu[:-1] + chunk - 1) // chunk  # per sequence
-    ends = torch.cumsum(chunks, 0)
-    seq_first = ends - chunks
-    ids = torch.arange(triton.cdiv(total, chunk) + N, device=cu.device)
-    seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
-    return ChunkTable(cu, seq, cu[seq] + (ids - seq_first[seq]) * chunk, ends[-1:], seq_first, chunks)
+    N = cu_seqlens.numel() - 1
+    worst = triton.cdiv(total, chunk) + N
+    i64 = {"dtype": torch.int64, "device": cu_seqlens.device}
+    cu, seq, first, counts = torch.empty(N + 1, **i64), torch.empty(worst, **i64), torch.empty(worst, **i64), \
+        torch.empty(2, **i64)
+    seq_first, seq_chunks = torch.empty(N, **i64), torch.empty(N, **i64)
+    _chunk_table_kernel[(triton.cdiv(worst, TABLE_BLOCK),)](
+        cu_seqlens, cu, seq, first, counts, seq_first, seq_chunks, N, worst, CHUNK=chunk, BLOCK=TABLE_BLOCK,
+        BS=TABLE_SEQUENCES, num_warps=TABLE_WARPS)
+    return ChunkTable(cu, seq, first, counts[:1], counts[1:], seq_first, seq_chunks)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
@@ -419,16 +471,26 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
             seg.chunks, seg.count, H, SUMMARY=False, **c)
     else:
         scan._kda_state_pass_kernel[(N, H, DV // bx)](
-            *factors, state, slots, state, slots, table.seq_first, table.seq_chunks, table.seq_first.new_tensor([N]),
-            H, SUMMARY=False, **c)
+            *factors, state, slots, state, slots, table.seq_first, table.seq_chunks, table.sequences, H,
+            SUMMARY=False, **c)
     return o
+
+
+def chunk_table_launch(chunk: int) -> KernelLaunch:
+    """The chunk-table kernel as :func:`chunk_table` launches it for chunks of ``chunk``
+    tokens (the runtime's cu_seqlens are int32)."""
+    types = {"cu_in_ptr": "*i32", **{p: "*i64" for p in ("cu_ptr", "seq_ptr", "first_ptr", "counts_ptr",
+                                                         "seq_first_ptr", "seq_chunks_ptr")}}
+    c = {"CHUNK": chunk, "BLOCK": TABLE_BLOCK, "BS": TABLE_SEQUENCES}
+    return KernelLaunch("kda_prefill chunk table", _chunk_table_kernel, launch_signature(_chunk_table_kernel, types, c),
+                        c, TABLE_WARPS)
 
 
 def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     """Every kernel as the launcher runs it on ``target`` (a key of ``aot.TARGETS``) at K3's
-    per-rank shapes (12 heads, D = DV = 128): the preparation, the state pass (states and
-    outputs; group summaries) and the group scan."""
+    per-rank shapes (12 heads, D = DV = 128): the chunk table, the preparation, the state
+    pass (states and outputs; group summaries) and the group scan."""
     warps = WARPS[target]
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
@@ -440,7 +502,7 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                   **{p: f"*{wt}" for p in (*WORKSPACES, "qk_ptr")},
                   **{p: "*fp32" for p in ("gl_ptr", "gc_ptr", "a_ptr", "t_ptr")},
                   "scale": "fp32", "eps": "fp32"}
-    launches = [KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
+    launches = [chunk_table_launch(CHUNK), KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
                              max_registers=PREP_MAX_REGISTERS.get(target))]
     bx = min(scan.BLOCK_X[target], head_dim)

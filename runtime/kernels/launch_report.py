@@ -273,11 +273,14 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
              "t_ptr": square * 4}
     if not kda_prefill.kernel_takes_dims(D, D):
         return []  # the reference: reference_fallbacks
-    launches = {launch.name: aot.specialised(_sized(launch, sizes), H=H)
+    ints = {"kda_prefill chunk table": {"N": s.batch, "worst": worst}}
+    launches = {launch.name: aot.specialised(_sized(launch, sizes), **ints.get(launch.name, {"H": H}))
                 for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
     tiles = D // min(scan.BLOCK_X[target], D)
     group = scan.group_size(s.batch, H, tiles, worst, units)
-    out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
+    out = [PlannedLaunch("prefill", "kda prefill chunk table", launches["kda_prefill chunk table"],
+                         triton.cdiv(worst, kda_prefill.TABLE_BLOCK), f"{kda_prefill.TABLE_BLOCK} chunks a program"),
+           PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
                          f"chunks of {kda_prefill.CHUNK}")]
     if group:
         segments = triton.cdiv(worst, group) + s.batch  # the launcher's worst-case grid (kda_prefill_scan.chunk_groups)
@@ -376,6 +379,8 @@ def _per_token(phase: str, s: StepShapes, tokens: int) -> list[PlannedLaunch]:
         C, blocks = s.kda_heads * s.kda_head_dim, triton.cdiv(s.kda_heads * s.kda_head_dim, short_conv.BLOCK_C)
         chunks = triton.cdiv(s.context, short_conv.BLOCK_T) * s.batch
         conv, state = short_conv.aot_requests(C, s.dtype)
+        add("kda short conv chunk table", kda_prefill.chunk_table_launch(short_conv.BLOCK_T),
+            triton.cdiv(chunks + s.batch, kda_prefill.TABLE_BLOCK), "", N=s.batch, worst=chunks + s.batch)
         add("kda short conv", conv, chunks * blocks, f"{short_conv.BLOCK_T} tokens x {short_conv.BLOCK_C} channels",
             C=C)
         add("kda short conv state", state, s.batch * blocks, "", C=C)
