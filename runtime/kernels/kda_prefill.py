@@ -35,8 +35,8 @@ after it: at most about 1.0 GB for 32K tokens at 12 heads, freed after the call 
 1.7 GB for an fp32 model, whose outputs and q / k scratch double);
 ``RuntimeOptions.prefill_chunk`` bounds them.
 
-Chunks are found on the device (:func:`chunk_table`, one launch: a prefill's host time
-before its first kernel is launches): each sequence's chunks are numbered after the
+Chunks are found on the device (:func:`chunk_table`, one launch: the host's time before a
+prefill's first kernel is mostly launches): each sequence's chunks are numbered after the
 previous sequences', and the grids are sized for the worst case,
 ``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
 
