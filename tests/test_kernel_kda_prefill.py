@@ -136,6 +136,28 @@ def test_gates_stronger_than_k3s():
     close(state, state_ref, torch.float32, "state")
 
 
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_chunk_table(cu_dtype):
+    """The chunk table of one launch against its definition: chunks numbered sequence after
+    sequence, each chunk's sequence ``searchsorted(ends, id, right=True)`` and first token;
+    empty sequences, ragged ones, and 300 sequences (several of the kernel's blocks)."""
+    gen = torch.Generator().manual_seed(1)
+    for lens, chunk in (([0, 5, 0], 16), ([1, 15, 16, 17, 31, 33, 48], 16), ([64], 64),
+                        (torch.randint(0, 300, (300,), generator=gen).tolist(), 64)):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype, device=DEVICE)
+        table = kda_prefill.chunk_table(cu, sum(lens), chunk)
+        chunks = torch.tensor([-(-n // chunk) for n in lens])
+        ends = chunks.cumsum(0)
+        count = int(ends[-1])
+        seq = torch.searchsorted(ends, torch.arange(count), right=True)
+        first = cu.cpu().long()[seq] + (torch.arange(count) - (ends - chunks)[seq]) * chunk
+        assert table.seq.numel() == -(-sum(lens) // chunk) + len(lens)
+        assert int(table.count) == count and int(table.sequences) == len(lens)
+        assert torch.equal(table.cu.cpu(), cu.cpu().long())
+        assert torch.equal(table.seq_first.cpu(), ends - chunks) and torch.equal(table.seq_chunks.cpu(), chunks)
+        assert torch.equal(table.seq[:count].cpu(), seq) and torch.equal(table.first[:count].cpu(), first)
+
+
 def test_group_size_only_where_the_gpu_would_idle():
     """Groups when sequences x heads x value tiles leave compute units idle and the
     sequences are long enough to cut; sized near sqrt(chunks per sequence / 2)."""
