@@ -1,6 +1,6 @@
-"""ONNX export of the tiny presets' decode programs: export time and file size (CPU).
+"""ONNX export of the tiny presets' decode and prefill programs: export time and file size (CPU).
 
-    python benchmarks/export_onnx.py [--presets tiny tiny-h24 tiny-linear] [--out DIR]
+    python benchmarks/export_onnx.py [--presets tiny tiny-h24 tiny-linear] [--phases decode prefill] [--out DIR]
 
 Each preset: a generated checkpoint (MXFP4 experts; tiny-linear bf16), compiled for
 ``cpu`` and for ``h200`` in float32, exported with ``k3compile.export.export_onnx`` at the
@@ -23,6 +23,7 @@ from k3compile.export import ExportOptions, export_onnx
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["tiny", "tiny-h24", "tiny-linear"])
+    ap.add_argument("--phases", nargs="+", default=["decode"], choices=["decode", "prefill"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -33,10 +34,12 @@ def main() -> None:
             for target in ("cpu", "h200"):
                 artifact = root / f"{preset}-{target}.k3c"
                 optimize(model, artifact, CompileOptions(target=target, dtype="float32"))
-                result = export_onnx(artifact, root / f"{preset}-{target}.onnx", ExportOptions())
-                print(json.dumps({"preset": preset, "target": target, "export_s": round(result.seconds, 1),
-                                  "file_mib": round(result.file_bytes / 2**20, 2),
-                                  "caches": len(result.cache_outputs)}), flush=True)
+                for phase in args.phases:
+                    result = export_onnx(artifact, root / f"{preset}-{target}-{phase}.onnx", ExportOptions(phase=phase))
+                    print(json.dumps({"preset": preset, "target": target, "phase": phase,
+                                      "export_s": round(result.seconds, 1),
+                                      "file_mib": round(result.file_bytes / 2**20, 2),
+                                      "caches": len(result.cache_outputs)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
-"""MLIR export of an artifact's decode program (k3compile/export, issue #25): the
-torch-dialect module has the runtime's signature, and its lowering to linalg-on-tensors,
-run on the CPU by torch-mlir's execution engine, computes what the runtime computes, step
-after step with the caches it returns fed back in."""
+"""MLIR export of an artifact's decode and prefill programs (k3compile/export, issue #25):
+the torch-dialect module has the runtime's signature, and its lowering to
+linalg-on-tensors, run on the CPU by torch-mlir's execution engine, computes what the
+runtime computes, step after step with the caches it returns fed back in."""
 
 from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
 from cli_runs import assert_one_line_error, invoke
-from export_steps import cpu_runtime, greedy_decode_steps, prefill_prompts, relative_error
+from export_steps import (
+    assert_step_equals_the_runtime,
+    cpu_runtime,
+    greedy_decode_steps,
+    prefill_prompts,
+    prefill_then_decode,
+)
 from k3compile.export import ExportOptions, LinalgModule, export_mlir
-from k3compile.export.mlir_export import index_as_one_gather
+from k3compile.export.mlir_export import index_as_one_gather, size_mod_as_floordiv
 from k3compile.export.trace import STEP_INPUTS
 
 OPTIONS = ExportOptions(max_sequences=4, max_context=160)  # h200's blocks are 64 tokens
@@ -54,15 +59,34 @@ def test_the_linalg_module_steps_equal_the_runtime_with_caches_fed_back(linalg):
     ids, tokens = prefill_prompts(rt)
     assert module.inputs[:len(STEP_INPUTS)] == list(STEP_INPUTS)
     caches = {n: t.numpy().copy() for n, t in zip(module.inputs[len(STEP_INPUTS):], rt.cache_tensors, strict=True)}
-    cache_outputs = module.metadata["k3compile.cache_outputs"]
     for feeds, want in greedy_decode_steps(rt, ids, tokens, 5):
         outputs = module.run({**feeds, **caches})
         assert list(outputs) == module.outputs
-        assert outputs["logits"].shape == tuple(want.shape) and relative_error(outputs["logits"], want) < 1e-5
-        for name, cache in zip(module.outputs[1:], rt.cache_tensors, strict=True):
-            got = outputs[name]
-            assert relative_error(got, cache) < 1e-5 or np.abs(got - cache.numpy()).max() == 0, name
-            caches[cache_outputs[name]] = got
+        assert_step_equals_the_runtime(outputs, want, rt, module.metadata["k3compile.cache_outputs"], caches)
+
+
+@pytest.mark.sweep  # its export and compile take 2.5 minutes on the 2-core CPU
+def test_the_prefill_module_then_the_decode_module_equal_the_runtime(linalg, tmp_path_factory):
+    """The prefill program exported to linalg (traced for 16 tokens or more, the tiled
+    GEMM's branch) on three new prompts (20 tokens), then on a ragged batch of 9 tokens
+    in which two sequences continue and one starts (the tiled GEMM pads them to 16 rows:
+    the same product), then two steps of the decode module: each step's logits and every
+    updated cache equal the runtime's own steps within 1e-5 relative, the caches of each
+    step fed to the next."""
+    artifact, decode, _ = linalg
+    out = tmp_path_factory.mktemp("mlir-prefill") / "prefill.mlir"
+    export_mlir(artifact, out, ExportOptions(**{**OPTIONS.__dict__, "phase": "prefill"}), dialect="linalg")
+    prefill = LinalgModule(out)
+    assert prefill.inputs == decode.inputs and prefill.outputs == decode.outputs
+    assert prefill.metadata["k3compile.phase"] == "prefill"
+    rt = cpu_runtime(artifact, OPTIONS)
+    caches = {n: t.numpy().copy() for n, t in zip(prefill.inputs[len(STEP_INPUTS):], rt.cache_tensors, strict=True)}
+
+    def run(module: LinalgModule, feeds: dict, want: torch.Tensor) -> list[int]:
+        outputs = module.run({**feeds, **caches})
+        return assert_step_equals_the_runtime(outputs, want, rt, module.metadata["k3compile.cache_outputs"], caches)
+
+    prefill_then_decode(rt, lambda feeds, want: run(prefill, feeds, want), lambda feeds, want: run(decode, feeds, want))
 
 
 def test_the_torch_dialect_module_has_the_runtime_signature(compile_once, tmp_path):
@@ -94,20 +118,22 @@ def test_the_torch_dialect_module_has_the_runtime_signature(compile_once, tmp_pa
         LinalgModule(result.path)
 
 
-def test_kept_k3_ops_are_torch_operators(compile_once, tmp_path):
-    """``k3_ops="keep"``: every k3 op call of the stored program is one ``torch.operator``
-    (``torch.k3.<name>``, or ``torch.k3_functional.<name>`` for an op that updates a cache
-    in place), nothing else is a ``torch.operator``, and the module keeps the signature's
-    attributes and names each op's torch reference."""
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_kept_k3_ops_are_torch_operators(compile_once, tmp_path, phase):
+    """``k3_ops="keep"``, decode and prefill: every k3 op call of the stored program is one
+    ``torch.operator`` (``torch.k3.<name>``, or ``torch.k3_functional.<name>`` for an op
+    that updates a cache in place), nothing else is a ``torch.operator``, and the module
+    keeps the signature's attributes and names each op's torch reference."""
     from collections import Counter
 
     from k3compile.artifact import load_artifact
     from k3compile.export.custom_ops import kept_signature
 
     artifact = compile_once("tiny", "mxfp4", dtype="float32", validate=False).out_dir
-    result = export_mlir(artifact, tmp_path / "tiny.mlir", ExportOptions(**{**OPTIONS.__dict__, "k3_ops": "keep"}))
+    result = export_mlir(artifact, tmp_path / "tiny.mlir",
+                         ExportOptions(**{**OPTIONS.__dict__, "k3_ops": "keep", "phase": phase}))
     text = result.path.read_text()
-    program = load_artifact(artifact).programs["decode"].graph_module
+    program = load_artifact(artifact).programs[phase].graph_module
     stored = Counter(str(n.target).split(".")[1] for n in program.graph.nodes
                      if n.op == "call_function" and str(n.target).startswith("k3."))
     operators = Counter(re.findall(r'torch\.operator "([^"]+)"', text))
@@ -120,7 +146,7 @@ def test_kept_k3_ops_are_torch_operators(compile_once, tmp_path):
 
 
 def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_path):
-    """The ONNX export's refusals (prefill, FP8 MLA caches, a rank out of range), the
+    """The ONNX export's refusals (FP8 MLA caches, a rank out of range), the
     collectives of a TP2 program in the linalg dialect, a batch range in which the GEMM
     dispatch would branch at run time, and options that are not MLIR's: each a clear
     error, no file written."""
@@ -128,8 +154,6 @@ def test_what_cannot_be_exported_is_refused_before_any_work(compile_once, tmp_pa
     tp2 = compile_once("tiny", "mxfp4", tp=2, dtype="float32").out_dir
     fp8 = compile_once("tiny", "mxfp4", dtype="float32", kv_cache_dtype="fp8").out_dir
     out = tmp_path / "m.mlir"
-    with pytest.raises(ValueError, match=r"k3 ops .*kda_prefill.* have no decomposition .*only the decode phase"):
-        export_mlir(tp1, out, ExportOptions(phase="prefill"))
     with pytest.raises(ValueError, match=r"collectives \(.*all_reduce.*\), which MLIR's linalg dialect cannot express: "
                                          r"export a TP1 artifact \(this one is TP2, DCP1\), or to a format that keeps"):
         export_mlir(tp2, out, OPTIONS, dialect="linalg")
@@ -167,6 +191,21 @@ def test_the_command_says_what_it_wrote_and_refuses_bad_options(linalg, tmp_path
     assert_one_line_error(invoke("export", artifact, "-o", tmp_path / "m.onnx", "--dialect", "linalg"),
                           "--dialect linalg: MLIR only")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_size_remainders_become_floor_divisions():
+    """The form that replaces ``a % b`` of sizes for torch-mlir's importer: Python's
+    remainder (of a negative ``a`` too) at every traced size."""
+
+    class Pad(torch.nn.Module):
+        def forward(self, x):
+            return x.new_zeros(x.shape[0] + (-x.shape[0]) % 16)
+
+    program = torch.export.export(Pad(), (torch.zeros(5),), dynamic_shapes=({0: torch.export.Dim("n", max=64)},))
+    assert size_mod_as_floordiv(program.graph_module) == 1
+    assert "mod" not in program.graph_module.code
+    for n in (1, 5, 16, 17, 33):
+        assert program.module()(torch.zeros(n)).shape == (n + (-n) % 16,)
 
 
 def test_two_index_tensors_become_one_gather():

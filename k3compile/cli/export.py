@@ -27,12 +27,12 @@ def export_command(
         metavar="ARTIFACT", help="An artifact directory written by 'k3compile optimize' (or --preset instead). "
                                  "Example: ./tiny.k3c", show_default=False)] = None,
     format: Annotated[str, typer.Option("--format", help="onnx or mlir. Example: --format mlir")] = "onnx",
-    phase: Annotated[str, typer.Option(help="The program to export: decode (prefill: not yet). Example: --phase decode")]
+    phase: Annotated[str, typer.Option(help="The program to export: decode (one token a sequence) or prefill (packed prompts, continuations included). Example: --phase prefill")]
     = "decode",
     rank: Annotated[int, typer.Option(help="Whose program and weights: 0 to TP-1 (a TP1 artifact has rank 0). "
                                            "Example: --rank 1")]
     = 0,
-    max_sequences: Annotated[int, typer.Option(help="Sequences the exported cache inputs hold (MLIR: at most 15). "
+    max_sequences: Annotated[int, typer.Option(help="Sequences the exported cache inputs hold (MLIR decode: at most 15). "
                                                     "Example: --max-sequences 8")]
     = 4,
     max_context: Annotated[int, typer.Option(help="Tokens a sequence the cache inputs hold. Example: --max-context 1024")]
@@ -65,9 +65,11 @@ def export_command(
                                                    "ONNX Runtime cannot run such a model. Example: --keep-k3-ops")]
     = False,
 ) -> None:
-    """Export one rank's decode program of an artifact (or of a preset, structure only), its k3 ops decomposed into standard operators (or kept: --keep-k3-ops).
+    """Export one rank's decode or prefill program of an artifact (or a preset's decode program, structure only), its k3 ops decomposed into standard operators (or kept: --keep-k3-ops).
 
-    The inputs are the runtime's decode-step tensors and every cache; the outputs the logits and every cache after the step (named CACHE.next), so a caller feeds them back in. The batch and the block table's width are dynamic. docs/export.md has worked examples.
+    The inputs are the runtime's step tensors and every cache; the outputs the logits and every cache after the step (named CACHE.next), so a caller feeds them back in. The batch and the block table's width are dynamic. docs/export.md has worked examples.
+
+    --phase prefill: the step for several new tokens a sequence (new prompts, and continuations of sequences with cached tokens), packed; the token count is dynamic too, up to --max-sequences x --max-context. Its caches are the decode program's, so a prefill's outputs feed the decode program. A new sequence's KDA state slot must be zero before its first prefill (the runtime zeroes it). A DCP > 1 prefill is refused.
 
     A TP > 1 artifact exports one rank's program (--rank) with its collectives kept, each one op over the rank's group: ONNX, a node of the domain k3.collectives (attributes: the group's size, ranks and name, the reduce op; metadata k3compile.collectives); MLIR, torch.operator "torch._c10d_functional.NAME" (torch dialect only: linalg has no collectives and is refused). Run each rank's file in its own process of a process group.
 
@@ -78,6 +80,8 @@ def export_command(
     Example: k3compile export ./tiny.k3c --format onnx -o tiny_decode.onnx
 
     Example: k3compile export ./tiny.k3c --format mlir --dialect linalg -o tiny_decode.mlir
+
+    Example: k3compile export ./tiny.k3c --phase prefill -o tiny_prefill.onnx
 
     With --keep-k3-ops every k3 op call stays one custom op, whose semantics are its torch reference in k3compile/ops (the metadata k3compile.k3_op_references names it): a file to read (Netron) or for a runtime that implements the k3 ops itself; ONNX Runtime and LinalgModule cannot run it.
 

@@ -1,7 +1,8 @@
 """Exports of an artifact's optimized programs to other toolchains (issue #25).
 
-``export_onnx``: one rank's decode program as an ONNX model whose k3 ops are decomposed
-into standard operators and whose caches are inputs and outputs. ``export_mlir``: the
+``export_onnx``: one rank's decode or prefill program as an ONNX model whose k3 ops are
+decomposed into standard operators (``decompositions``, ``prefill_decompositions``) and
+whose caches are inputs and outputs. ``export_mlir``: the
 same program as an MLIR module, in torch-mlir's torch dialect or lowered to
 linalg-on-tensors, which ``LinalgModule`` runs on the CPU (docs/export.md). With
 ``ExportOptions(k3_ops="keep")`` the k3 ops stay custom ops instead

@@ -1,4 +1,4 @@
-"""Every k3 op of a decode program as standard torch operators, for exporters.
+"""Every k3 op of a decode or prefill program as standard torch operators, for exporters.
 
 A k3 op is one node in the optimized graph; ONNX and MLIR know nothing of it. Most ops'
 torch references already are straight-line torch code (no host values read from
@@ -17,10 +17,13 @@ one here, written from the op's documented semantics:
   ``0.5 m`` for exponent bits 0, else ``2^(e-1) (1 + 0.5 m)``; the E8M0 scale is
   ``2^(byte - 127)``.
 
-Ops the prefill programs use (packed sequences of different lengths: ``kda_prefill``,
-``short_conv_prefill``, ``mla_prefill`` and its DCP forms) read sequence boundaries on
-the host in their references; they have no decomposition yet, and
-:func:`missing_decompositions` names them.
+- The prefill ops over packed sequences of different lengths (``short_conv_prefill``,
+  ``kda_prefill``, ``mla_prefill``): their references loop over the sequences on the host;
+  ``k3compile.export.prefill_decompositions`` has their forms with masks and gathers.
+
+The decode context-parallel ops (``dcp_local_lengths``, ...) and the DCP forms of the
+prefill (``mla_prefill_new_tokens``, ``mla_prefill_partial``) have no decomposition yet,
+and :func:`missing_decompositions` names them.
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ from torch.overrides import TorchFunctionMode
 
 import k3compile.ops as k3_ops
 from k3compile.checkpoint.mxfp4 import GROUP_SIZE
+from k3compile.export import prefill_decompositions
 from k3compile.ops.activations import situ_glu
 
 #: the k3 ops whose references are not straight-line torch code, without a decomposition
 NOT_DECOMPOSED = frozenset({
-    "kda_prefill", "short_conv_prefill", "mla_prefill", "mla_prefill_new_tokens", "mla_prefill_partial",
-    "dcp_local_lengths", "dcp_local_blocks", "dcp_history_order",
+    "mla_prefill_new_tokens", "mla_prefill_partial", "dcp_local_lengths", "dcp_local_blocks", "dcp_history_order",
 })
 
 
@@ -91,6 +94,8 @@ def moe_experts_mxfp4(z: Tensor, weights: Tensor, ids: Tensor, w1_packed: Tensor
 
 _OWN: dict[str, Callable[..., object]] = {
     "sigmoid_topk_route": sigmoid_topk_route, "moe_experts": moe_experts, "moe_experts_mxfp4": moe_experts_mxfp4,
+    "short_conv_prefill": prefill_decompositions.short_conv_prefill,
+    "kda_prefill": prefill_decompositions.kda_prefill, "mla_prefill": prefill_decompositions.mla_prefill,
 }
 
 
@@ -108,7 +113,7 @@ def k3_op_definitions() -> dict[str, CustomOpDef]:
 def decomposition(name: str) -> Callable[..., object]:
     """The standard-operator form of k3 op ``name`` (module docstring)."""
     if name in NOT_DECOMPOSED:
-        raise ValueError(f"k3.{name} has no decomposition into standard operators yet (a prefill op)")
+        raise ValueError(f"k3.{name} has no decomposition into standard operators yet (a context-parallel op)")
     return _OWN.get(name) or k3_op_definitions()[name]._init_fn
 
 

@@ -1,4 +1,4 @@
-"""One rank's optimized decode program as an MLIR module (torch-mlir).
+"""One rank's optimized decode or prefill program as an MLIR module (torch-mlir).
 
 The program is re-traced as ``k3compile.export.trace`` describes, then imported by
 torch-mlir's fx importer into the torch dialect (``torch-mlir``'s backend contract:
@@ -10,8 +10,9 @@ after the phase:
     func.func @decode(input_ids, cu_seqlens, seq_lens, state_slots, block_table,
                       slot_mapping, logit_indices, cache ...) -> (logits, cache.next ...)
 
-The batch and the block table's width are dynamic (``?``); the caches have the fixed
-shapes of ``ExportOptions``. The weights are embedded as dense resources. The module's
+(``@prefill`` the same, with ``input_ids`` and ``slot_mapping`` of the packed tokens.)
+The batch, the block table's width and a prefill's token count are dynamic (``?``); the
+caches have the fixed shapes of ``ExportOptions``. The weights are embedded as dense resources. The module's
 attributes name the arguments and results (``k3compile.inputs``, ``k3compile.outputs``:
 arrays of strings) and map each cache output to its input (``k3compile.cache_outputs``:
 a dictionary), next to ``k3compile.phase``, ``k3compile.rank`` and
@@ -28,16 +29,21 @@ A TP > 1 rank's collectives stay ``torch.operator "torch._c10d_functional.<name>
 their waits), in the torch dialect as imported, like kept k3 ops; the attribute
 ``k3compile.collectives`` describes their groups. Linalg has no collectives: refused.
 
-Two things torch-mlir cannot take are handled before the import:
+Three things torch-mlir cannot take are handled before the import:
 
-- a ``cond``: the GEMM dispatch branches on the token count at 16, so at most 15
-  sequences export (each ``cond`` then runs the branch the batch range decides);
+- a ``cond``: the GEMM dispatch branches on the token count at 16, so a decode exports
+  at most 15 sequences, and a prefill is traced for 16 tokens or more (each ``cond``
+  then runs the branch the range decides: ``k3compile.export.trace``);
 - ``x[i, j]`` with two index tensors of dynamic shape, which its linalg lowering does
-  not legalise: :func:`index_as_one_gather` makes it one gather on a flattened ``x``.
+  not legalise: :func:`index_as_one_gather` makes it one gather on a flattened ``x``;
+- ``a % b`` of sizes (the tiled GEMM's padding to 16 rows, taken by a prefill), which its
+  importer makes ``aten.fmod.int``: no lowering, and C's sign rule instead of Python's.
+  :func:`size_mod_as_floordiv` rewrites it ``a - b * (a // b)``.
 """
 
 from __future__ import annotations
 
+import operator
 import tempfile
 import time
 import warnings
@@ -85,7 +91,7 @@ def export_mlir(artifact_dir: str | Path, out: str | Path, options: ExportOption
     artifact = load_exportable(artifact_dir, options, "MLIR" if dialect == "torch" else f"MLIR's {dialect} dialect",
                                with_collectives=dialect == "torch")
     _check_branches(artifact.programs[options.phase].graph_module, options)
-    traced = trace_step(artifact, options)
+    traced = trace_step(artifact, options, conds=False)
     module = _import(traced, options, dialect)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         (Path(tmp) / out.name).write_text(str(module))
@@ -102,8 +108,9 @@ def _require_torch_mlir() -> None:
 
 
 def _check_branches(gm: torch.fx.GraphModule, options: ExportOptions) -> None:
-    """Refuse a batch range in which the GEMM dispatch's ``cond`` is taken both ways."""
-    if options.max_sequences >= FAST_MIN_TOKENS and any(
+    """Refuse a decode batch range in which the GEMM dispatch's ``cond`` is taken both ways
+    (a prefill's token range starts where it is decided: ``trace.min_prefill_tokens``)."""
+    if options.phase == "decode" and options.max_sequences >= FAST_MIN_TOKENS and any(
             n.target is torch.ops.higher_order.cond for n in gm.graph.nodes):
         raise ValueError(f"max_sequences {options.max_sequences}: the {options.phase} program picks its GEMM by the "
                          f"batch (the tiled GEMM from {FAST_MIN_TOKENS} tokens, k3compile/model/gemm.py), a branch "
@@ -124,6 +131,31 @@ def index_as_one_gather(x: Tensor, indices: list[Tensor | None]) -> Tensor:
     return x.reshape(-1, *x.shape[len(indices):])[flat]
 
 
+def size_mod_as_floordiv(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every ``a % b`` of sizes (SymInt arithmetic) in ``gm`` and its submodules as
+    ``a - b * (a // b)``, which is Python's ``%``; the number rewritten."""
+    count = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        graph = module.graph
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target is operator.mod]:
+            a, b = node.args
+            values = [x.meta["val"] if isinstance(x, torch.fx.Node) else x for x in (a, b)]
+            with graph.inserting_before(node):
+                quotient = graph.call_function(operator.floordiv, (a, b))
+                product = graph.call_function(operator.mul, (b, quotient))
+                remainder = graph.call_function(operator.sub, (a, product))
+            quotient.meta["val"] = values[0] // values[1]
+            product.meta["val"] = values[1] * quotient.meta["val"]
+            remainder.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(remainder)
+            graph.erase_node(node)
+            count += 1
+        module.recompile()
+    return count
+
+
 def _import(traced: TracedStep, options: ExportOptions, dialect: str):
     """The traced program as a verified torch-mlir module in ``dialect``, with the
     ``k3compile.*`` attributes."""
@@ -138,8 +170,10 @@ def _import(traced: TracedStep, options: ExportOptions, dialect: str):
     with warnings.catch_warnings():  # torch's own, from inside run_decompositions: nothing a user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         raw = options.k3_ops == "keep" or traced.collectives  # ops the backend pipeline has no shape functions for
-        module = fx.export_and_import(traced.program, output_type="raw" if raw else "torch", func_name=options.phase,
-                                      decomposition_table=table)
+        program = traced.program.run_decompositions(table)
+        size_mod_as_floordiv(program.graph_module)
+        module = fx.export_and_import(program, output_type="raw" if raw else "torch", func_name=options.phase,
+                                      decomposition_table={})  # decomposed above
     with module.context:
         for key, value in _attributes(traced, options).items():
             module.operation.attributes[f"k3compile.{key}"] = value

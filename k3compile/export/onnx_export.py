@@ -1,4 +1,4 @@
-"""One rank's optimized decode program as an ONNX model.
+"""One rank's optimized decode or prefill program as an ONNX model.
 
 The program is re-traced as ``k3compile.export.trace`` describes (its k3 ops pointed at
 their standard-operator forms, its caches functional), then translated by
@@ -11,7 +11,9 @@ step.
              cache.<layer>.<part> ... (fixed shapes: ExportOptions' sequences and context)
     outputs  logits [B, vocab], cache.<layer>.<part>.next ...
 
-B and the block table's width are dynamic. FP8 MLA caches are refused (their rows are
+B and the block table's width are dynamic. A prefill's inputs are the same, its tokens
+packed: ``input_ids`` and ``slot_mapping`` [T], T dynamic too; its GEMM dispatch's
+``cond`` is an ``If`` (``k3compile.export.trace``). FP8 MLA caches are refused (their rows are
 bytes reinterpreted in place, which the ONNX translator cannot express yet).
 
 With ``ExportOptions(k3_ops="keep")`` every k3 op call is one node of the ONNX domain

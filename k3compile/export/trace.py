@@ -1,24 +1,29 @@
-"""What every exporter shares: the options, the refusals, and the traced decode step.
+"""What every exporter shares: the options, the refusals, and the traced step.
 
 An exporter does not translate the artifact's stored program. It re-traces one rank's
-program on the CPU with ``torch.export``, with the rank's weights and a decode batch the
-runtime itself made, while ``DecomposedK3Ops`` sends every k3 op call to its
-standard-operator form (or, with ``ExportOptions.k3_ops == "keep"``, ``KeptK3Ops`` keeps
-each call one op: ``k3compile.export.custom_ops``). The traced step is functional:
+decode or prefill program on the CPU with ``torch.export``, with the rank's weights and a
+batch the runtime's own sequence table made, while ``DecomposedK3Ops`` sends every k3 op
+call to its standard-operator form (or, with ``ExportOptions.k3_ops == "keep"``,
+``KeptK3Ops`` keeps each call one op: ``k3compile.export.custom_ops``). The traced step
+is functional:
 
 - The caches, which the runtime updates in place, are copied first, so the program
   mutates no input. Each cache is an input, and its updated value an output named
   ``<input>.next``. :attr:`TracedStep.cache_outputs` maps every such output to its input.
 - A ``cond`` whose predicate the exported sizes decide runs its branch directly
   (:class:`DecidedBranches`). The GEMM dispatch of ``k3compile.model.gemm`` branches on
-  ``tokens >= 16``, and a decode batch of at most 15 sequences always takes the GEMV.
+  ``tokens >= 16``: a decode batch of at most 15 sequences always takes the GEMV. A
+  prefill's token count is dynamic from 1, so its ``cond`` stays (ONNX: an ``If``), unless
+  the format has no ``cond`` (MLIR): then the prefill is traced for 16 tokens or more,
+  which takes the tiled GEMM.
 
-The inputs are the decode step's tensors (:data:`STEP_INPUTS`), then every cache. The
-batch and the block table's width are dynamic. The caches have the fixed shapes of
-:class:`ExportOptions`' sequences and context.
+The inputs are the step's tensors (:data:`STEP_INPUTS`), then every cache. The batch and
+the block table's width are dynamic, and for a prefill the packed token count (of
+``input_ids`` and ``slot_mapping``) too, up to ``max_sequences * max_context``. The caches
+have the fixed shapes of :class:`ExportOptions`' sequences and context.
 
 A TP > 1 rank's program keeps its functional collectives (``k3compile.export.collectives``).
-The trace runs no step, so it needs no peers: the decode example comes from the runtime's
+The trace runs no step, so it needs no peers: the example batch comes from the runtime's
 sequence table alone, and the runtime is built inside torch's in-process ``fake`` process
 group (a DCP rank's runtime makes its DCP group). A :class:`ModelStructure` instead of an
 artifact is compiled on the meta device and traced there, without weights
@@ -44,8 +49,9 @@ from k3compile.export.collectives import COLLECTIVES, collectives_metadata, prog
 from k3compile.export.custom_ops import K3_OPS_MODES, KeptK3Ops
 from k3compile.export.decompositions import DecomposedK3Ops, missing_decompositions
 from k3compile.mla_cache_fp8 import is_fp8_dtype
+from k3compile.model.gemm import FAST_MIN_TOKENS
 
-#: the decode program's non-cache inputs, in the order the runtime passes them
+#: a step program's non-cache inputs (decode and prefill alike), in the order the runtime passes them
 STEP_INPUTS = ("input_ids", "cu_seqlens", "seq_lens", "state_slots", "block_table", "slot_mapping", "logit_indices")
 PHASES = ("decode", "prefill")
 
@@ -166,7 +172,8 @@ def check_plan(options: ExportOptions, tp: int, dcp: int, block_size: int, dtype
 def check_program(gm: torch.fx.GraphModule, options: ExportOptions, target: str, with_collectives: bool, tp: int,
                   dcp: int) -> None:
     """Refuse collectives that ``target`` cannot express and k3 ops without a decomposition
-    (unless kept) in the program ``gm`` of ``options.phase``."""
+    (unless kept; a context-parallel prefill's, kept or not: untested) in the program
+    ``gm`` of ``options.phase``."""
     collectives = program_collectives(gm)
     unknown = sorted(set(collectives) - set(COLLECTIVES))
     if collectives and (not with_collectives or unknown):
@@ -174,10 +181,12 @@ def check_program(gm: torch.fx.GraphModule, options: ExportOptions, target: str,
                          f"{target} cannot express: export a TP1 artifact (this one is TP{tp}, DCP{dcp})"
                          + ("" if unknown else ", or to a format that keeps collectives (ONNX, MLIR's torch dialect)"))
     missing = missing_decompositions(gm)
-    if missing and (options.phase != "decode" or options.k3_ops == "decompose"):
+    if missing and options.phase == "prefill":
+        raise ValueError(f"the prefill program's k3 ops {', '.join(missing)} (context parallelism, DCP{dcp}) do not "
+                         "export yet, decomposed or kept: export the decode phase, or the prefill of a DCP1 artifact")
+    if missing and options.k3_ops == "decompose":
         raise ValueError(f"the {options.phase} program's k3 ops {', '.join(missing)} have no decomposition into "
-                         "standard operators yet: " + ("only the decode phase exports" if options.phase != "decode"
-                                                       else "export them kept (--keep-k3-ops)"))
+                         "standard operators yet: export them kept (--keep-k3-ops)")
 
 
 def load_exportable(artifact_dir: str | Path, options: ExportOptions, target: str, with_collectives: bool = True):
@@ -205,7 +214,7 @@ class DecidedBranches(TorchFunctionMode):
 
 
 class _StepWithCaches(torch.nn.Module):
-    """The decode program on copies of the caches, returning them after its updates."""
+    """A step program on copies of the caches, returning them after its updates."""
 
     def __init__(self, step: torch.fx.GraphModule):
         super().__init__()
@@ -234,16 +243,51 @@ def decode_example(table) -> tuple[Tensor, ...]:
             batch.slot_mapping, batch.logit_indices)
 
 
-def export_step(step: torch.fx.GraphModule, example: tuple[Tensor, ...], caches: list, options: ExportOptions,
-                tp: int, dcp: int, structure: dict | None = None) -> TracedStep:
-    """The decode program ``step`` traced as :class:`TracedStep` (module docstring) on the
-    step inputs ``example`` and the runtime's per-layer ``caches`` (copied), with the k3 ops
-    decomposed or kept as ``options`` says; ``structure``: what a structure-only export
-    compiled (``k3compile.export.structure``)."""
-    tensors = [c.clone() for c in flatten_caches(caches)]
+def prefill_example(table) -> tuple[Tensor, ...]:
+    """A prefill step's inputs as the runtime makes them with its sequence table ``table``
+    (its blocks then taken): a sequence that continues after most of one cache block of
+    the rank (2 new tokens, its context then spanning two blocks: a width of 1 would be
+    specialised by the trace), and a new one with a prompt of ``FAST_MIN_TOKENS + 1``
+    tokens (19 packed tokens: in every traced range, and none of the batch's sizes)."""
+    cached = table.shape.block_size * table.layout.dcp - 1
+    counts = [2, FAST_MIN_TOKENS + 1]
+    ids = [table.new_sequence() for _ in counts]
+    table.reserve(ids[:1], [cached])
+    table.advance(ids[:1], [cached])
+    table.reserve(ids, counts)
+    batch = table.make_batch(ids, counts, False)
+    return (torch.arange(3, 3 + sum(counts)), batch.cu_seqlens, batch.seq_lens, batch.state_slots, batch.block_table,
+            batch.slot_mapping, batch.logit_indices)
+
+
+def min_prefill_tokens(conds: bool) -> int:
+    """The fewest packed tokens a prefill export takes: 1 where the format keeps a
+    ``cond`` (``conds``), else ``FAST_MIN_TOKENS``, from which the GEMM dispatch's branch
+    is decided (module docstring)."""
+    return 1 if conds else FAST_MIN_TOKENS
+
+
+def step_dynamic_shapes(options: ExportOptions, min_tokens: int, caches: int) -> tuple:
+    """``torch.export``'s dynamic shapes of the step inputs and ``caches`` cache tensors:
+    the batch and the block table's width, and at prefill the packed token count from
+    ``min_tokens`` up to ``max_sequences * max_context``."""
     batch, blocks = torch.export.Dim("batch", min=1, max=options.max_sequences), torch.export.Dim("blocks", max=1 << 24)
-    dynamic = ({0: batch}, {0: batch + 1}, {0: batch}, {0: batch}, {0: batch, 1: blocks}, {0: batch}, {0: batch},
-               [None] * len(tensors))
+    tokens = batch
+    if options.phase == "prefill":
+        tokens = torch.export.Dim("tokens", min=min_tokens, max=options.max_sequences * options.max_context)
+    return ({0: tokens}, {0: batch + 1}, {0: batch}, {0: batch}, {0: batch, 1: blocks}, {0: tokens}, {0: batch},
+            [None] * caches)
+
+
+def export_step(step: torch.fx.GraphModule, example: tuple[Tensor, ...], caches: list, options: ExportOptions,
+                tp: int, dcp: int, structure: dict | None = None, min_tokens: int = 1) -> TracedStep:
+    """``options.phase``'s program ``step`` traced as :class:`TracedStep` (module
+    docstring) on the step inputs ``example`` and the runtime's per-layer ``caches``
+    (copied), with the k3 ops decomposed or kept as ``options`` says; ``structure``: what a
+    structure-only export compiled (``k3compile.export.structure``); ``min_tokens``: a
+    prefill's fewest packed tokens (:func:`min_prefill_tokens`)."""
+    tensors = [c.clone() for c in flatten_caches(caches)]
+    dynamic = step_dynamic_shapes(options, min_tokens, len(tensors))
     with DecomposedK3Ops() if options.k3_ops == "decompose" else KeptK3Ops(), DecidedBranches():
         program = torch.export.export(_StepWithCaches(step), (*example, tensors), dynamic_shapes=dynamic)
     names = cache_names(caches)
@@ -252,11 +296,12 @@ def export_step(step: torch.fx.GraphModule, example: tuple[Tensor, ...], caches:
                       collectives_metadata(program.graph_module, tp, dcp, options.rank), structure or {})
 
 
-def trace_step(artifact, options: ExportOptions) -> TracedStep:
+def trace_step(artifact, options: ExportOptions, conds: bool = True) -> TracedStep:
     """``options.phase``'s program of ``options.rank`` traced as :class:`TracedStep` (module
     docstring): the runtime is built on the CPU with the rank's weights for the trace. With
     ``options.k3_ops == "keep"`` the k3 op calls stay (``KeptK3Ops``) instead of being
-    decomposed."""
+    decomposed. ``conds``: whether the format keeps a ``cond`` the sizes leave open
+    (:func:`min_prefill_tokens`)."""
     from k3compile.runtime.engine import Runtime, RuntimeOptions
 
     info = artifact.info
@@ -264,8 +309,11 @@ def trace_step(artifact, options: ExportOptions) -> TracedStep:
         runtime = Runtime(artifact, options.rank, torch.device("cpu"),
                           RuntimeOptions(max_sequences=options.max_sequences, max_context=options.max_context,
                                          cuda_graphs=False, lowering="eager"))
-        return export_step(runtime.graph_modules[options.phase], decode_example(runtime.table), runtime.caches,
-                           options, info.tp, info.dcp)
+        min_tokens = min_prefill_tokens(conds)
+        example = (decode_example(runtime.table) if options.phase == "decode"
+                   else prefill_example(runtime.table))
+        return export_step(runtime.graph_modules[options.phase], example, runtime.caches, options, info.tp, info.dcp,
+                           min_tokens=min_tokens)
 
 
 def move_into_place(staged: Path, parent: Path) -> int:
