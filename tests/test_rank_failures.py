@@ -78,22 +78,27 @@ def test_a_rank_that_never_joins_is_named_within_the_timeout(tp2):
 def test_a_rank_that_dies_during_start_up_is_named(tp2):
     """Rank 1 joins the process group and dies before it has loaded anything; rank 0 loads
     and prefills, and its first collective ends within the timeout naming rank 1. Rank 1
-    starts first and has imported torch before rank 0 starts (on a loaded 2-core machine
-    its imports alone can outlast rank 0's 5 s wait for the group), and waits for rank 0
-    up to a minute."""
-    die = ("import os, torch; from k3compile.runtime.rank_group import init_distributed; print('imported', flush=True); "
-           "init_distributed(2, torch.device('cpu'), 60); os._exit(1)")
+    joins as soon as rank 0's rendezvous store listens (it has imported torch by then): on
+    a loaded 2-core machine its imports, or its reconnection back-off while the store is
+    not up yet, could outlast rank 0's 5 s wait for the group."""
+    die = ("import os, sys, torch; from k3compile.runtime.rank_group import init_distributed; "
+           "print('imported', flush=True); sys.stdin.readline(); init_distributed(2, torch.device('cpu'), 60); "
+           "os._exit(1)")
     run = ("from k3compile import runtime; from k3compile.runtime import RuntimeOptions; "
            f"rt = runtime.load({str(tp2)!r}, options=RuntimeOptions(max_sequences=1, max_context=16, device='cpu', "
            f"rank_timeout_s={TIMEOUT_S})); rt.generate([[1, 2, 3]], 4)")
     port = _free_port()
     rank = lambda r, code: subprocess.Popen([sys.executable, "-c", code], env=_rank_env(r, port),  # noqa: E731
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True)
     ranks = [rank(1, die)]
     try:
         assert ranks[0].stdout.readline() == "imported\n"
         ranks.append(rank(0, run))
         start = time.monotonic()
+        _wait_for_listener(port, ranks[1])
+        ranks[0].stdin.write("join\n")
+        ranks[0].stdin.flush()
         _, err = ranks[1].communicate(timeout=TIMEOUT_S + 90)
     finally:
         for p in ranks:
@@ -101,6 +106,18 @@ def test_a_rank_that_dies_during_start_up_is_named(tp2):
             p.wait()
     assert ranks[1].returncode != 0 and time.monotonic() - start < TIMEOUT_S + 60
     assert "RankFailed: rank 0: prefill failed because rank 1 stopped answering" in err, err[-2000:]
+
+
+def _wait_for_listener(port: int, process: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    """Until something accepts connections on ``port`` (``process`` must stay alive)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listened on port {port} (rank 0 exited with {process.poll()})")
 
 
 @pytest.mark.parametrize("victim, how, named", [
