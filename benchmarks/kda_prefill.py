@@ -3,7 +3,7 @@ Triton kernels of ``runtime/kernels/kda_prefill.py`` against fla-core's ``chunk_
 the op's torch reference. CUDA GPU only.
 
     python benchmarks/kda_prefill.py [--tokens 4096 32768] [--batches 1 8] [--reference-max 8192]
-        [--groups 0 8 16] [--profile] [--sweep] [--prep-sweep] [--phases]
+        [--groups 0 8 16] [--profile] [--sweep] [--state-sweep] [--prep-sweep] [--phases] [--host]
 
 Each case is ``batch`` sequences of ``tokens`` each, packed (cu_seqlens), from random
 initial states, with K3's gate (lower bound -5). Timed eagerly (prefill is not captured in
@@ -15,10 +15,14 @@ launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported
 per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
 launch settings (the preparation's warps and W / U~ columns per block, the state pass's
 warps, stages and state columns per program; the modules' tables patched for the call), ms
-per setting. ``--prep-sweep``: the preparation's device ms at other warps, register caps
-(``maxnreg``) and A / Aq head-dim slices. ``--phases``: the preparation's device time up
-to the end of each of its four phases (norms and G, A and Aq, the inverse, W / U~), from
-copies of its kernel that return there.
+per setting. ``--state-sweep``: ours at other state-pass settings (warps, stages, the group
+summaries' stages, state columns per program), each with the launcher's and every
+``--groups`` size: ms per call and the state pass's device ms. ``--prep-sweep``: the
+preparation's device ms at other warps, register caps (``maxnreg``) and A / Aq head-dim
+slices. ``--phases``: the preparation's device time up to the end of each of its four
+phases (norms and G, A and Aq, the inverse, W / U~), from copies of its kernel that return
+there. ``--host``: the host's time to enqueue one call, the functions it spends it in, and
+when each kernel ran on the device from the call's start.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ import functools
 import importlib.util
 import inspect
 import json
+import statistics
 import sys
 import tempfile
 
 import torch
+import triton
 from gpu_timing import eager_time
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
@@ -82,6 +88,9 @@ def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
 #: --sweep's settings: (preparation warps and W / U~ columns, state-pass warps, its stages, state columns
 #: per program)
 SWEEP = [(4, 32, 8, 2, 32), (4, 64, 4, 2, 64), (8, 64, 8, 2, 32), (4, 64, 4, 2, 32), (4, 64, 8, 1, 64)]
+#: --state-sweep's settings: (state-pass warps, its stages, the group summaries' stages, state columns per
+#: program), each with every --groups size
+STATE_SWEEP = [(4, 3, 2, 64), (4, 3, 3, 64), (4, 2, 2, 64), (4, 3, 1, 64), (4, 2, 1, 64), (4, 3, 2, 32)]
 
 
 @contextlib.contextmanager
@@ -94,6 +103,22 @@ def launch_settings(prep_warps: int, w_block: int, scan_warps: int, stages: int,
         yield
     finally:
         kp.WARPS["sm_90"], kp.W_BLOCK, kp.SCAN_STAGES, scan.BLOCK_X = saved
+
+
+#: the kernels --state-sweep sums as the state pass's time
+STATE_KERNELS = ("_kda_state_pass_kernel", "_kda_group_scan_kernel")
+
+
+@contextlib.contextmanager
+def state_settings(warps: int, stages: int, summary_stages: int, block_x: int):
+    """The H200's state-pass warps, stages, group-summary stages and state columns set for the block's calls."""
+    saved = kp.WARPS["sm_90"]["scan"], kp.SCAN_STAGES["sm_90"], kp.SUMMARY_STAGES["sm_90"], scan.BLOCK_X["sm_90"]
+    kp.WARPS["sm_90"]["scan"], kp.SCAN_STAGES["sm_90"], kp.SUMMARY_STAGES["sm_90"], scan.BLOCK_X["sm_90"] = (
+        warps, stages, summary_stages, block_x)
+    try:
+        yield
+    finally:
+        kp.WARPS["sm_90"]["scan"], kp.SCAN_STAGES["sm_90"], kp.SUMMARY_STAGES["sm_90"], scan.BLOCK_X["sm_90"] = saved
 
 
 #: --prep-sweep's settings: (preparation warps, its register cap per thread or None, head-dim columns per
@@ -168,6 +193,52 @@ def phase_ms(x: dict[str, torch.Tensor]) -> dict[str, float]:
     return row
 
 
+def host_time(x: dict[str, torch.Tensor], repeats: int = 5) -> dict[str, object]:
+    """The host's time to enqueue one call of ours (no synchronisation inside it), the median
+    of ``repeats`` after the device drained, and the functions with the most own time (cProfile)."""
+    import cProfile
+    import pstats
+    import time
+
+    times = []
+    for _ in range(repeats):
+        state = x["state"].clone()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ours(x, state)
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    state = x["state"].clone()
+    torch.cuda.synchronize()
+    prof.enable()
+    ours(x, state)
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, _, own s, cumulative s, _)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+    return {"enqueue ms": round(statistics.median(times), 3),
+            "own ms": {f"{k[0].rsplit('/', 1)[-1]}:{k[1]} {k[2]}": round(v[2] * 1e3, 3) for k, v in top},
+            "kernels (start, end us from the call's start)": timeline(x)}
+
+
+def timeline(x: dict[str, torch.Tensor]) -> list[tuple[str, int, int]]:
+    """Each kernel of one call of ours: its name and its start and end on the device, in us
+    from the host's entry into the call (torch profiler, CPU and CUDA)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    state = x["state"].clone()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("kda_prefill call"):
+            ours(x, state)
+        torch.cuda.synchronize()
+    events = prof.events()
+    t0 = min(e.time_range.start for e in events if e.name == "kda_prefill call")
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    return [(e.name[:40], round(e.time_range.start - t0), round(e.time_range.end - t0)) for e in kernels]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -182,6 +253,9 @@ def main() -> None:
     ap.add_argument("--prep-sweep", action="store_true", help="the preparation at other warps / register caps")
     ap.add_argument("--phases", action="store_true", help="the preparation's time up to each phase")
     ap.add_argument("--groups", type=int, nargs="*", default=[], help="chunk-group sizes to time too (0: none)")
+    ap.add_argument("--state-sweep", action="store_true",
+                    help="ours at other state-pass settings, each with the launcher's and every --groups size")
+    ap.add_argument("--host", action="store_true", help="the host's enqueue time of one call, and where it goes")
     args = ap.parse_args()
     try:
         import fla  # noqa: F401
@@ -217,6 +291,21 @@ def main() -> None:
                     with launch_settings(*setting):
                         row["k3 prep w{} /{} scan w{} stages {} x{} ms".format(*setting)] = round(timed(ours, x), 3)
             print(json.dumps(row), flush=True)
+            if args.state_sweep:
+                for setting in STATE_SWEEP:
+                    with state_settings(*setting):
+                        for G in [None, *args.groups]:
+                            run = lambda x, s: ours(x, s, G)  # noqa: E731
+                            case = {"state_sweep": setting, "groups": G, "batch": batch, "tokens": tokens}
+                            try:
+                                case["ms"] = round(timed(run, x), 3)
+                            except triton.runtime.errors.OutOfResources as e:
+                                print(json.dumps({**case, "error": str(e)[:80]}), flush=True)
+                                continue
+                            state = sum(v for k, v in kernel_ms(run, x).items() if k.startswith(STATE_KERNELS))
+                            print(json.dumps({**case, "state ms": round(state, 3)}), flush=True)
+            if args.host:
+                print(json.dumps({"host": True, "batch": batch, "tokens": tokens, **host_time(x)}), flush=True)
             if args.prep_sweep:
                 for setting in PREP_SWEEP:
                     with prep_settings(*setting):

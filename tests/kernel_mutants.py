@@ -198,6 +198,13 @@ MUTANTS = [
            "o += tl.dot(Aq.to(dot_ty), Yw.to(dot_ty)",
            "o += tl.dot(Aq.to(dot_ty), (Y + tl.dot(W.to(dot_ty), Xw.to(dot_ty))).to(dot_ty)", KDA_PREFILL,
            "KDA prefill: the outputs take U~ instead of the values corrected by the chunk's start state"),
+    Mutant("kda_state_pass_decay_of_this_chunk_again", "runtime/kernels/kda_prefill_scan.py",
+           "GL_next = tl.load(gl_ptr + (base + H) * D + dk", "GL_next = tl.load(gl_ptr + base * D + dk", KDA_PREFILL,
+           "KDA prefill: the decay loaded a chunk ahead is the current chunk's (each later chunk decays by its "
+           "predecessor's gate)"),
+    Mutant("kda_outputs_all_at_segment_start", "runtime/kernels/kda_prefill_scan.py",
+           "tok = (t0 + cc * BT + rows)", "tok = (t0 + rows)", KDA_PREFILL,
+           "KDA prefill: every chunk of a segment writes its outputs over the segment's first chunk"),
     Mutant("kda_outputs_miss_start_state", "runtime/kernels/kda_prefill_scan.py",
            "o = tl.dot(QG.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)",
            "o = tl.zeros([BT, BX], dtype=tl.float32)", KDA_PREFILL,

@@ -160,15 +160,18 @@ def test_chunk_table(cu_dtype):
 
 def test_group_size_only_where_the_gpu_would_idle():
     """Groups when sequences x heads x value tiles leave compute units idle and the
-    sequences are long enough to cut; sized near sqrt(chunks per sequence / 2)."""
+    sequences are long enough to cut; as few groups as keep the summary pass at about two
+    programs a unit, at least four a sequence."""
     from k3compile.runtime.kernels.kda_prefill_scan import MIN_GROUP, group_size
 
-    assert group_size(1, 12, 4, 512, units=132) == 16  # 32K tokens at batch 1: chain 16 + 32 + 16
-    assert group_size(1, 12, 4, 64, units=132) == 5  # 4K tokens: sqrt(32)
-    assert group_size(1, 12, 4, 20, units=132) == MIN_GROUP
-    assert group_size(8, 12, 4, 4096, units=132) is None  # 384 programs fill 132 SMs
-    assert group_size(1, 12, 4, 8, units=132) is None  # too short to cut
-    assert group_size(1, 12, 4, 512, units=1) is None  # the interpreter: only where asked
+    assert group_size(1, 12, 2, 513, units=132) == 103  # 32K tokens at batch 1: 5 groups, 240 summary programs
+    assert group_size(1, 12, 2, 2049, units=132) == 410  # 128K tokens
+    assert group_size(1, 12, 2, 65, units=132) == 13  # 4K tokens
+    assert group_size(1, 12, 2, 17, units=132) == MIN_GROUP
+    assert group_size(2, 12, 2, 1026, units=132) == 129  # at least four groups a sequence
+    assert group_size(8, 12, 2, 4104, units=132) is None  # 192 programs fill 132 SMs
+    assert group_size(1, 12, 2, 15, units=132) is None  # too short to cut
+    assert group_size(1, 12, 2, 513, units=1) is None  # the interpreter: only where asked
 
 
 def test_k3_chunk_of_64_and_a_continuation():

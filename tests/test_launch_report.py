@@ -87,14 +87,15 @@ def test_decode_grids_at_batch_1_on_mi355x(aot_reports):
 
 def test_prefill_grids_of_one_32k_prompt_on_mi355x(aot_reports):
     """513 chunk programs a head (512 chunks and the worst-case partial one), 4 state tiles
-    of 32 columns, groups of 16 chunks (sqrt(513 / 2)), the expanded MLA kernel's 256 row
-    tiles of 128 tokens at 12 heads, the experts' 64-pair blocks over 524,288 pairs."""
+    of 32 columns, groups of 103 chunks (five: about two summary programs a CU, 2 x 256 //
+    (12 heads x 8 summary tiles)), the expanded MLA kernel's 256 row tiles of 128 tokens at
+    12 heads, the experts' 64-pair blocks over 524,288 pairs."""
     got = rows(aot_reports, "gfx950", k3_rank(1, 32768))
     assert got["kda prefill preparation"].planned.programs == 513 * 12
-    # groups: the launcher's worst-case grid, cdiv(513, 16) + 1 = 34 segments (32 real)
-    assert got["kda prefill group summaries"].planned.programs == 34 * 12 * 8
+    # groups: the launcher's worst-case grid, cdiv(513, 103) + 1 = 6 segments (5 real)
+    assert got["kda prefill group summaries"].planned.programs == 6 * 12 * 8
     assert got["kda prefill group scan"].planned.programs == 12 * 4
-    assert got["kda prefill state pass"].planned.programs == 34 * 12 * 4
+    assert got["kda prefill state pass"].planned.programs == 6 * 12 * 4
     assert got["mla prefill (expanded)"].planned.programs == 256 * 12
     blocks = 524288 // 64 + 896  # the long-prefill plan's blocks of 64 pairs, each expert's last partial
     assert got["experts w13"].planned.programs == blocks * 384 // 64

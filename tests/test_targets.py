@@ -17,6 +17,8 @@ def test_the_cpu_interpreter_takes_the_h200_table():
 def test_tables_cover_every_compile_target():
     assert set(AMD_TARGETS) | set(NVIDIA_TARGETS) == set(aot.TARGETS)
     tables = {"kda_prefill.WARPS": kda_prefill.WARPS, "kda_prefill.SCAN_STAGES": kda_prefill.SCAN_STAGES,
+              "kda_prefill.SUMMARY_STAGES": kda_prefill.SUMMARY_STAGES,
+              "kda_prefill.GROUP_SCAN_STAGES": kda_prefill.GROUP_SCAN_STAGES,
               "kda_prefill.HEAD_SLICE": kda_prefill.HEAD_SLICE, "kda_prefill_scan.BLOCK_X": kda_prefill_scan.BLOCK_X,
               "moe_plans.PLANS": moe_plans.PLANS}
     for name, table in tables.items():

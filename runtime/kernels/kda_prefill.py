@@ -78,18 +78,22 @@ HEAD_SLICE = {"sm_90": 32, "gfx950": 32, "gfx942": 32}
 #: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
-#: warps of the preparation and of the state pass / group scan / outputs per target
-#: (``targets.device_target``), and
-#: the latter's software-pipeline stages (their loads do not depend on the carried state).
-#: CUDA: the fastest of an H200 sweep (benchmarks/kda_prefill.py --sweep, BENCHMARKS.md),
-#: none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
-#: workgroups per gfx950 CU), one stage until measured
+#: warps of the preparation and of the state pass / group scan per target
+#: (``targets.device_target``). CUDA: the fastest of an H200 sweep (benchmarks/kda_prefill.py
+#: --sweep, BENCHMARKS.md), none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
+#: workgroups per gfx950 CU)
 WARPS = {"sm_90": {"prep": 4, "scan": 4}, "gfx950": {"prep": 4, "scan": 4}, "gfx942": {"prep": 4, "scan": 4}}
 #: a cap on the preparation's registers per thread (Triton's ``maxnreg``: NVIDIA targets
 #: only): 168 lets three programs reside per H200 SM instead of two (fastest of
 #: benchmarks/kda_prefill.py --prep-sweep, BENCHMARKS.md; the AOT report shows no spills)
 PREP_MAX_REGISTERS = {"sm_90": 168}
-SCAN_STAGES = {"sm_90": 2, "gfx950": 1, "gfx942": 1}
+#: software-pipeline stages of the state pass, of the group summaries (fewer: two programs
+#: a unit instead of one, kda_prefill_scan.group_size) and of the group scan (its [D, D]
+#: summary blocks: three stages overflow an H200's shared memory). CUDA: the fastest of
+#: benchmarks/kda_prefill.py --state-sweep (BENCHMARKS.md); AMD: one until measured
+SCAN_STAGES = {"sm_90": 3, "gfx950": 1, "gfx942": 1}
+SUMMARY_STAGES = {"sm_90": 2, "gfx950": 1, "gfx942": 1}
+GROUP_SCAN_STAGES = {"sm_90": 2, "gfx950": 1, "gfx942": 1}
 #: the kernels' pointers to workspaces in :func:`work_dtype`
 WORKSPACES = ("w_ptr", "u_ptr", "aq_ptr", "qg_ptr", "ke_ptr")
 
@@ -462,10 +466,11 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         summary = torch.empty((n, H, D, D + DV), **f32)
         starts = torch.empty((n, H, D, DV), **f32)
         scan._kda_state_pass_kernel[(n, H, (D + DV) // bx)](  # summaries: start tiles and outputs unread
-            *factors, starts, seg.chunk0, summary, seg.chunk0, seg.chunk0, seg.chunks, seg.count, H, SUMMARY=True, **c)
+            *factors, starts, seg.chunk0, summary, seg.chunk0, seg.chunk0, seg.chunks, seg.count, H, SUMMARY=True,
+            **{**c, "num_stages": SUMMARY_STAGES[target]})
         scan._kda_group_scan_kernel[(N, H, DV // bx)](
             summary, starts, state, slots, groups.seq_first, groups.seq_groups, H, D=D, DV=DV, BV=bx,
-            DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=SCAN_STAGES[target])
+            DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=GROUP_SCAN_STAGES[target])
         scan._kda_state_pass_kernel[(n, H, DV // bx)](
             *factors, starts, torch.arange(n, device=dev), state, torch.full((n,), -1, device=dev), seg.chunk0,
             seg.chunks, seg.count, H, SUMMARY=False, **c)
@@ -517,7 +522,9 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                         ("kda_prefill group summaries", scan._kda_state_pass_kernel,
                          {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True, "FP32_DOT": False}),
                         ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx})):
-        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], SCAN_STAGES[target]))
+        stages = {"kda_prefill group summaries": SUMMARY_STAGES,
+                  "kda_prefill group scan": GROUP_SCAN_STAGES}.get(name, SCAN_STAGES)[target]
+        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], stages))
     return launches
 
 

@@ -18,18 +18,22 @@ Launches:
    the chunk's output columns o_c[:, tile] = QG_c X + Aq_c U_c[:, tile] are two more
    products off the recurrence's chain (S_c and U_c are never stored). SUMMARY: a segment
    is a chunk group and X a tile of [M_g | B_g] [D, D + DV], the group as one affine map
-   S -> M_g S + B_g (X starts as [I | 0]; the M columns skip U~).
+   S -> M_g S + B_g (X starts as [I | 0]; the M columns skip U~). A chunk step waits on
+   no load of its own: the factors are software-pipelined, GL is loaded a chunk ahead, and
+   a chunk's tokens follow from its segment's first token (a segment lies in one sequence).
 2. ``_kda_group_scan_kernel``, grid (sequences, heads, value tiles): S <- M_g S + B_g over a
    sequence's groups, storing each group's start state; the final state into its slot.
 
 Without groups: (1, STATES) over sequences from the state slots, storing the final states.
 With groups of G chunks: (1, SUMMARY), (2), (1, STATES) over groups from their start
-states: about three times the state work, spread over G times as many programs, and a
-sequential chain of 2 G + (chunks / G) chunk steps instead of one per chunk.
+states: about twice the state work (the summaries' M columns), spread over more programs,
+and a sequential chain of 2 G chunk steps and chunks / G scan steps instead of one step per
+chunk (:func:`group_size`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,26 +79,31 @@ def _kda_state_pass_kernel(
         X = tl.load(x0_ptr + ((x0_row * H + h) * D + dk[:, None]) * DV + cols[None, :])
         ucols = cols
     u_mask = (ucols >= 0)[None, :]
-    for cc in range(tl.load(seg_chunks_ptr + s)):
+    n = tl.load(seg_chunks_ptr + s)
+    if not SUMMARY:  # a segment's chunks are consecutive chunks of one sequence
+        t0 = tl.load(chunk_first_ptr + c0)
+        end = tl.load(cu_ptr + tl.load(chunk_seq_ptr + c0) + 1)
+    GL_next = tl.load(gl_ptr + (c0 * H + h).to(tl.int64) * D + dk, mask=dk < (n > 0) * D, other=0.0)
+    for cc in range(n):
         c = c0 + cc
         base = (c * H + h).to(tl.int64)
+        GL = GL_next  # loaded a chunk ahead: off the chain of dependent steps
+        GL_next = tl.load(gl_ptr + (base + H) * D + dk, mask=dk < (cc + 1 < n) * D, other=0.0)
         W = tl.load(w_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
         KEt = tl.load(ke_ptr + base * BT * D + rows[None, :] * D + dk[:, None])  # [D, BT]
-        GL = tl.load(gl_ptr + base * D + dk)
         Xw = X.to(W.dtype)  # the products' operands in the workspaces' dtype, X itself stays fp32
         Y = tl.load(u_ptr + base * BT * DV + rows[:, None] * DV + ucols[None, :], mask=u_mask,
                     other=0.0).to(tl.float32) - tl.dot(W.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)
         Yw = Y.to(W.dtype)
-        if not SUMMARY:
+        X = GL[:, None] * X + tl.dot(KEt.to(dot_ty), Yw.to(dot_ty), input_precision=DOT_PRECISION)
+        if not SUMMARY:  # the chunk's outputs from its start state (Xw) after the next state
             QG = tl.load(qg_ptr + base * BT * D + rows[:, None] * D + dk[None, :])
             Aq = tl.load(aq_ptr + base * BT * BT + rows[:, None] * BT + rows[None, :])
             o = tl.dot(QG.to(dot_ty), Xw.to(dot_ty), input_precision=DOT_PRECISION)
             o += tl.dot(Aq.to(dot_ty), Yw.to(dot_ty), input_precision=DOT_PRECISION)
-            tok = (tl.load(chunk_first_ptr + c) + rows).to(tl.int64)
-            end = tl.load(cu_ptr + tl.load(chunk_seq_ptr + c) + 1)
+            tok = (t0 + cc * BT + rows).to(tl.int64)
             tl.store(o_ptr + (tok[:, None] * H + h) * DV + cols[None, :], o.to(o_ptr.dtype.element_ty),
                      mask=(tok < end)[:, None])
-        X = GL[:, None] * X + tl.dot(KEt.to(dot_ty), Yw.to(dot_ty), input_precision=DOT_PRECISION)
     if SUMMARY:
         tl.store(end_ptr + ((s.to(tl.int64) * H + h) * D + dk[:, None]) * XC + cols[None, :], X)
     else:
@@ -164,15 +173,23 @@ def chunk_groups(seq_chunk0: Tensor, seq_chunks: Tensor, worst_chunks: int, size
 
 
 def group_size(sequences: int, heads: int, value_tiles: int, worst_chunks: int, units: int) -> int | None:
-    """Chunks per group, or None for one segment per sequence: groups when the state pass
-    over sequences would leave compute units idle (fewer programs than units) and the
-    sequences are long enough to cut; sized so that the sequential chain, 2 G + chunks / G
-    steps, is shortest: G = sqrt(chunks per sequence / 2), at least MIN_GROUP."""
+    """Chunks per group, or None for one segment per sequence. Groups only where the state
+    pass over sequences would leave compute units idle (fewer programs than units) and the
+    sequences are long enough to cut. A program's chunk step is bound by its own latency
+    until programs share a unit, so the groups are as few as keep the summary pass (2
+    ``value_tiles`` programs a group and head) at about SUMMARY_PROGRAMS_PER_UNIT programs
+    a unit, and at least MIN_GROUPS a sequence (fewer shorten the chain too little for the
+    summaries' cost): 5 groups a sequence at batch 1, 12 heads, 132 units (an H200 sweep,
+    BENCHMARKS.md)."""
     per_sequence = worst_chunks / sequences
-    if sequences * heads * value_tiles >= units or per_sequence < 4 * MIN_GROUP:
+    if sequences * heads * value_tiles >= units or per_sequence < MIN_GROUPS * MIN_GROUP:
         return None
-    return max(MIN_GROUP, int((per_sequence / 2) ** 0.5))
+    groups = max(MIN_GROUPS, SUMMARY_PROGRAMS_PER_UNIT * units // (sequences * heads * 2 * value_tiles))
+    return max(MIN_GROUP, math.ceil(per_sequence / groups))
 
 
-#: the fewest chunks a group holds
+#: the fewest chunks a group holds, and the fewest groups a sequence is cut into
 MIN_GROUP = 4
+MIN_GROUPS = 4
+#: the group summaries' programs a compute unit takes while a chunk step's time stays its latency
+SUMMARY_PROGRAMS_PER_UNIT = 2
