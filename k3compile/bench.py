@@ -151,6 +151,9 @@ class BenchReport:
     decode: list[DecodeResult]
     prefill: list[PrefillResult]
     prefill_chunk: int | None = None  # the runtime's tokens per prefill step (None: whole prompts)
+    #: GPU only: GiB of device memory this rank's runtime held when the bench started (weights,
+    #: caches, graph pools) and the most allocated at once during it
+    memory_gib: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready, with the derived ratios."""
@@ -179,6 +182,7 @@ def run_bench(rt: Runtime, options: BenchOptions,
     if rt.table.sequences:
         raise ValueError(f"the runtime already holds {len(rt.table.sequences)} sequences")
     progress = on_progress or (lambda label: None)
+    held = _held_memory(rt.device)
     gen = torch.Generator(device=rt.device).manual_seed(options.seed)
     fill_random_history(rt, gen)
     bandwidth = copy_bandwidth(256 << 20 if rt.device.type == "cpu" else 2 << 30, 10, rt.device)
@@ -224,8 +228,18 @@ def run_bench(rt: Runtime, options: BenchOptions,
         prefill.append(PrefillResult(length, 1e3 * statistics.median(times[1:])))
         progress(f"prefill {length} tokens")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    memory = None if held is None else {"held": held, "peak": torch.cuda.max_memory_allocated(rt.device) / 2**30}
     return BenchReport(str(rt.device), rt.rank, world, bandwidth, rt.graphs is not None, rt.lowering, decode, prefill,
-                       rt.options.prefill_chunk)
+                       rt.options.prefill_chunk, memory)
+
+
+def _held_memory(device: torch.device) -> float | None:
+    """GiB allocated on a GPU now, its peak counter restarted from there; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) / 2**30
 
 
 def load_peer(rt: Runtime, kind: str) -> ReferenceEngine:
@@ -349,10 +363,16 @@ def time_greedy(rt: Runtime, ids: list[int], steps: int) -> float:
     return 1e3 * (time.perf_counter() - start) / steps
 
 
+#: name prefixes of collectives in a profile: NCCL / RCCL kernels on a GPU, the c10d ops
+#: (functional and in place) on a CPU
+COLLECTIVE_PREFIXES = ("nccl", "rccl", "_c10d_functional::", "c10d::")
+
+
 def kernel_times(rt: Runtime, ids: list[int], top: int = 15) -> list[dict[str, object]]:
     """Device time per kernel of one decode step (GPU: a replay of its CUDA graph, or an
-    eager step without graphs; CPU: self time per aten op of an eager step), largest
-    first, after an "(all)" row."""
+    eager step without graphs; CPU: self time per aten and c10d op of an eager step),
+    largest first, after an "(all)" row and a "(collectives)" row (the kernels or ops of
+    :data:`COLLECTIVE_PREFIXES`: a TP / DCP step's communication, waits included)."""
     from torch.profiler import ProfilerActivity, profile
 
     graph = _graph_of(rt, len(ids))
@@ -367,12 +387,16 @@ def kernel_times(rt: Runtime, ids: list[int], top: int = 15) -> list[dict[str, o
     for e in prof.events():
         if gpu and e.device_type.name == "CUDA":
             totals.setdefault(e.name, []).append(e.device_time / 1e3)
-        elif not gpu and e.name.startswith("aten::"):
+        elif not gpu and e.name.startswith(("aten::", *COLLECTIVE_PREFIXES)):
             totals.setdefault(e.name, []).append(e.self_cpu_time_total / 1e3)
     rows = sorted(({"kernel": name[:100], "ms": sum(t), "calls": len(t)} for name, t in totals.items()),
                   key=lambda r: -r["ms"])
-    return [{"kernel": "(all)", "ms": sum(r["ms"] for r in rows), "calls": sum(r["calls"] for r in rows)},
-            *rows[:top]]
+    collectives = [r for r in rows if r["kernel"].lower().startswith(COLLECTIVE_PREFIXES)]
+    return [_sum_row("(all)", rows), _sum_row("(collectives)", collectives), *rows[:top]]
+
+
+def _sum_row(name: str, rows: list[dict[str, object]]) -> dict[str, object]:
+    return {"kernel": name, "ms": sum(r["ms"] for r in rows), "calls": sum(r["calls"] for r in rows)}
 
 
 class _GroupRanges(fx.Interpreter):

@@ -539,6 +539,15 @@ PRESETS: dict[str, K3Config] = {
         experts=896, topk=16, moe_inter=384, latent=3584, block=12, expert_format="mxfp4",
         max_positions=1048576,
     ),
+    # Two TP8 ranks of K3 as one model: k3-tp8-rank with its heads, KDA heads, dense and
+    # expert intermediates and vocab rows doubled, so that at --tp 2 each rank holds one
+    # TP8 rank's shapes (issue #26: the whole step on two GPUs with NCCL).
+    "k3-tp8-rank-x2": _preset(
+        hidden=7168, layers=4, mla_every=4, heads=24, kda_heads=24, kda_head_dim=128,
+        q_lora=1536, kv_lora=512, nope=128, rope=64, vocab=40960, dense_inter=8448,
+        experts=896, topk=16, moe_inter=768, latent=3584, block=12, expert_format="mxfp4",
+        max_positions=1048576,
+    ),
 }
 
 

@@ -108,6 +108,8 @@ def test_bench_cli_prints_and_writes_what_it_measured(artifact, tmp_path):
         assert set(d["groups"]) - {"other"} == set(GROUPS) - {"other"}
         assert all(g["kernels"] >= 1 and g["ms"] > 0 for g in d["groups"].values())
         assert d["kernels"][0]["kernel"] == "(all)" and d["kernels"][0]["calls"] > 100
+        assert d["kernels"][1] == {"kernel": "(collectives)", "ms": 0, "calls": 0}  # one rank: none
+    assert data["memory_gib"] is None  # measured on GPUs only
     # more sequences pick more distinct experts and read more history
     small, large = (d["floor"] for d in data["decode"])
     assert large["routed_experts"] > small["routed_experts"] and large["mla_history"] == 3 * small["mla_history"]
@@ -164,7 +166,7 @@ def test_bench_under_torchrun_at_tp2(compile_once, artifact, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "k3compile", "bench", str(tp2), "--batch", "2", "--context", "24", "--prompt-len", "8",
-         "--steps", "2", "--warmup", "1", "--json", str(out)],
+         "--steps", "2", "--warmup", "1", "--profile", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("copy bandwidth") == 1  # rank 0 prints, rank 1 does not
@@ -177,3 +179,9 @@ def test_bench_under_torchrun_at_tp2(compile_once, artifact, tmp_path):
     assert half["mla_history"] == whole.mla_history  # the latent cache is replicated across TP ranks
     assert half["kda_state"] * 2 == whole.kda_state
     assert 0.5 * whole.dense_weights < half["dense_weights"] < 0.75 * whole.dense_weights
+    # the step's collectives: the tiny preset's TP2 step all-reduces at least once a layer
+    # (attention and MLP outputs) and all-gathers the vocab-parallel logits
+    total, collectives, *kernels = data["decode"][0]["kernels"]
+    assert collectives["kernel"] == "(collectives)" and collectives["calls"] >= 2 * one.cfg.num_hidden_layers
+    assert 0 < collectives["ms"] < total["ms"]
+    assert any(k["kernel"].startswith("_c10d_functional::") for k in kernels)

@@ -309,6 +309,24 @@ def test_k3_tp8_rank_has_the_local_shapes_of_a_k3_tp8_rank():
     assert int(dict(local.named_buffers())["model.embed_tokens.vocab_start"]) == 0
 
 
+def test_k3_tp8_rank_x2_at_tp2_has_the_rank_slices_shapes():
+    """k3-tp8-rank-x2 compiled at TP2: every parameter of either rank has the shape and dtype
+    of the same parameter of k3-tp8-rank at TP1 (one TP8 rank of K3), so two GPUs run one TP8
+    rank's per-GPU shapes with real collectives between them."""
+    import torch
+
+    from k3compile.model import K3ForCausalLM
+    from k3compile.sharding import ParallelPlan
+
+    with torch.device("meta"):
+        slice_ = dict(K3ForCausalLM(PRESETS["k3-tp8-rank"]).named_parameters())
+        for rank in (0, 1):
+            pair = dict(K3ForCausalLM(PRESETS["k3-tp8-rank-x2"], ParallelPlan(tp=2, rank=rank)).named_parameters())
+            assert pair.keys() == slice_.keys()
+            for name, p in pair.items():
+                assert (p.shape, p.dtype) == (slice_[name].shape, slice_[name].dtype), name
+
+
 def test_with_layers_follows_the_presets_own_rule():
     for name, cfg in PRESETS.items():
         assert with_layers(cfg, cfg.num_hidden_layers) == cfg, name  # the rule that built the preset

@@ -134,6 +134,9 @@ def print_report(report: Any) -> None:
     """The decode, prefill and breakdown tables of a :class:`k3compile.bench.BenchReport`."""
     console.print(f"copy bandwidth {report.copy_bandwidth / 1e9:.1f} GB/s on {report.device}"
                   + (f", rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""))
+    if report.memory_gib is not None:
+        console.print(f"device memory: {report.memory_gib['held']:.2f} GiB held by the runtime, "
+                      f"{report.memory_gib['peak']:.2f} GiB at most during the bench")
     console.print("[bold]decode[/], per step, medians")
     table = Table()
     peers = list(dict.fromkeys(p for r in report.decode for p in r.peer_step_ms))
