@@ -151,8 +151,8 @@ class BenchReport:
     decode: list[DecodeResult]
     prefill: list[PrefillResult]
     prefill_chunk: int | None = None  # the runtime's tokens per prefill step (None: whole prompts)
-    #: GPU only: GiB of device memory this rank's runtime held when the bench started (weights,
-    #: caches, graph pools) and the most allocated at once during it
+    #: GPU only: GiB of device memory this rank's runtime holds (weights, caches, graph pools)
+    #: and the most allocated at once while decode steps and prefills were timed
     memory_gib: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, object]:
@@ -182,10 +182,10 @@ def run_bench(rt: Runtime, options: BenchOptions,
     if rt.table.sequences:
         raise ValueError(f"the runtime already holds {len(rt.table.sequences)} sequences")
     progress = on_progress or (lambda label: None)
-    held = _held_memory(rt.device)
     gen = torch.Generator(device=rt.device).manual_seed(options.seed)
     fill_random_history(rt, gen)
     bandwidth = copy_bandwidth(256 << 20 if rt.device.type == "cpu" else 2 << 30, 10, rt.device)
+    held = _held_memory(rt.device)  # after the bandwidth's buffers are freed: the runtime's own
 
     decode = []
     for context in options.contexts:

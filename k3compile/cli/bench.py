@@ -136,7 +136,7 @@ def print_report(report: Any) -> None:
                   + (f", rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""))
     if report.memory_gib is not None:
         console.print(f"device memory: {report.memory_gib['held']:.2f} GiB held by the runtime, "
-                      f"{report.memory_gib['peak']:.2f} GiB at most during the bench")
+                      f"{report.memory_gib['peak']:.2f} GiB at most while timing")
     console.print("[bold]decode[/], per step, medians")
     table = Table()
     peers = list(dict.fromkeys(p for r in report.decode for p in r.peer_step_ms))
