@@ -9,8 +9,8 @@
 #
 #   bash benchmarks/tp2_step.sh WORKDIR
 #
-# The model and artifacts already in WORKDIR are reused (a second call continues a first
-# that ran out of time). The defaults are the issue's; the variables below shrink it, e.g.
+# What WORKDIR already holds (the model, artifacts, bench results, tokens) is kept, so a
+# second call continues a first that ran out of time. The defaults are the issue's; the variables below shrink it, e.g.
 # a CPU check with gloo:
 #   PRESET=tiny-h24 TARGET=cpu DTYPE=float32 DEVICE=cpu BATCHES=1,2 CONTEXTS=64 PROMPT_LENS=16 \
 #     bash benchmarks/tp2_step.sh /tmp/tp2
@@ -41,16 +41,16 @@ for v in tp1 tp2 tp2-dcp2-fp8 tp1-fp8; do
   [ -d "$W/$v" ] || k3compile optimize "$W/model" -o "$W/$v" "${args[@]}" --target "$TARGET" --dtype "$DTYPE" \
     > "$W/optimize-$v.log"
   run=(k3compile run "$W/$v" "${PROMPTS[@]}" --max-new-tokens "$NEW_TOKENS" --max-context 256 --device "$DEVICE")
-  if [[ $v == tp2* ]]; then
+  if [[ $v == tp2* && ! -f "$W/bench-$v.json" ]]; then
     k3compile plan "$W/model" "${args[@]}" --target "$TARGET" --dtype "$DTYPE" --context "$(max "$CONTEXTS")" \
       --sequences "$(max "$BATCHES")" > "$W/plan-$v.txt"
     "${TORCHRUN[@]}" bench "$W/$v" --batch "$BATCHES" --context "$CONTEXTS" --prompt-len "$PROMPT_LENS" \
       --device "$DEVICE" --profile --json "$W/bench-$v.json" > "$W/bench-$v.txt" 2>&1
-    "${TORCHRUN[@]}" "${run[@]:1}" > "$W/run-$v.log" 2>&1
-  else
-    "${run[@]}" > "$W/run-$v.log" 2>&1
   fi
-  grep "new tokens" "$W/run-$v.log" > "$W/tokens-$v.txt"
+  if [ ! -s "$W/tokens-$v.txt" ]; then
+    if [[ $v == tp2* ]]; then "${TORCHRUN[@]}" "${run[@]:1}" > "$W/run-$v.log" 2>&1; else "${run[@]}" > "$W/run-$v.log" 2>&1; fi
+    grep "new tokens" "$W/run-$v.log" > "$W/tokens-$v.txt"
+  fi
 done
 for pair in "tp2 tp1" "tp2-dcp2-fp8 tp1-fp8"; do
   set -- $pair
