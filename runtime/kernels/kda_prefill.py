@@ -43,8 +43,9 @@ previous sequences', and the grids are sized for the worst case,
 Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype),
 its products exact for an fp32 model, at the backend's default precision for fp32
 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32 products spilled
-thousands of bytes per thread on sm_90, AOT), the diagonal blocks' inverse always exact; the state pass and its outputs multiply the workspaces' dtype
-(bf16 for a bf16 model, as fla-core does) with fp32 sums and an fp32 carried state.
+thousands of bytes per thread on sm_90, AOT), the diagonal blocks' inverse always exact;
+the state pass and its outputs multiply the workspaces' dtype (bf16 for a bf16 model, as
+fla-core does) with fp32 sums and an fp32 carried state.
 Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
 neither decay nor write the state, as in the reference.
 """
@@ -79,9 +80,9 @@ HEAD_SLICE = {"sm_90": 32, "gfx950": 32, "gfx942": 32}
 #: past e^88; normalised keys and 64 terms leave the margin)
 MAX_EXP = tl.constexpr(80.0)
 #: warps of the preparation and of the state pass / group scan per target
-#: (``targets.device_target``). CUDA: the fastest of an H200 sweep (benchmarks/kda_prefill.py
-#: --sweep, BENCHMARKS.md), none spilling; AMD: from the AOT resources (no spills at 4 warps, two preparation
-#: workgroups per gfx950 CU)
+#: (``targets.device_target``). CUDA: the fastest of an H200 sweep
+#: (benchmarks/kda_prefill.py --sweep, BENCHMARKS.md), none spilling; AMD: from the AOT
+#: resources (no spills at 4 warps, two preparation workgroups per gfx950 CU)
 WARPS = {"sm_90": {"prep": 4, "scan": 4}, "gfx950": {"prep": 4, "scan": 4}, "gfx942": {"prep": 4, "scan": 4}}
 #: a cap on the preparation's registers per thread (Triton's ``maxnreg``: NVIDIA targets
 #: only): 168 lets three programs reside per H200 SM instead of two (fastest of
