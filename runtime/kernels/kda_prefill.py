@@ -518,14 +518,13 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
     types = {**{p: "*fp32" for p in fp32}, **{p: f"*{wt}" for p in WORKSPACES}, **{p: "*i64" for p in i64},
              "o_ptr": f"*{t}"}
     dims = {"D": head_dim, "DV": head_dim, "DOT_PRECISION": precision}
-    for name, fn, c in (("kda_prefill state pass", scan._kda_state_pass_kernel,
-                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": False, "FP32_DOT": False}),
-                        ("kda_prefill group summaries", scan._kda_state_pass_kernel,
-                         {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True, "FP32_DOT": False}),
-                        ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx})):
-        stages = {"kda_prefill group summaries": SUMMARY_STAGES,
-                  "kda_prefill group scan": GROUP_SCAN_STAGES}.get(name, SCAN_STAGES)[target]
-        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], stages))
+    for name, fn, c, stages in (("kda_prefill state pass", scan._kda_state_pass_kernel,
+                                 {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": False, "FP32_DOT": False}, SCAN_STAGES),
+                                ("kda_prefill group summaries", scan._kda_state_pass_kernel,
+                                 {**dims, "BT": CHUNK, "BX": bx, "SUMMARY": True, "FP32_DOT": False}, SUMMARY_STAGES),
+                                ("kda_prefill group scan", scan._kda_group_scan_kernel, {**dims, "BV": bx},
+                                 GROUP_SCAN_STAGES)):
+        launches.append(KernelLaunch(name, fn, launch_signature(fn, types, c), c, warps["scan"], stages[target]))
     return launches
 
 
