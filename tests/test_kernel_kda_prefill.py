@@ -244,12 +244,13 @@ def test_kernels_compile_for_every_target(aot_reports):
     the runtime launches them (on AMD with ROCm's buffer loads): every kernel (chunk
     table, preparation, state pass with the outputs, group summaries, group scan) compiles
     and fits its targets' shared memory / LDS without spills on AMD; on sm_90 at most 16 words a
-    thread, and at most 24 for the preparation under its register cap (20 observed:
+    thread, and at most 32 for the preparation under its register cap (28 observed:
     three programs per SM with those spills were measured faster than two without,
-    kda_prefill.PREP_MAX_REGISTERS)."""
+    kda_prefill.PREP_MAX_REGISTERS, and its own chunk lookup faster than the table's
+    launch before it, decision 78)."""
     assert len(aot_reports) == 5 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
-        allowed = 0 if target.startswith("gfx") else 24 if name == "kda_prefill prep" else 16
+        allowed = 0 if target.startswith("gfx") else 32 if name == "kda_prefill prep" else 16
         assert res.fits, (target, name, res)
         assert res.spills is not None and res.spills <= allowed, (target, name, res)
 

@@ -22,28 +22,31 @@ slice of the keys is loaded once for the four row blocks, with the decay split a
 row block's first token (e^{G_r - G_j} = e^{G_r - G_ref} e^{G_ref - G_j}; for keys
 before the row block both exponents are <= 0, so nothing overflows however strong the
 gate; keys after it are masked; within it the second exponent reaches a sub-chunk's
-decay, taken as a product below e^80, else one key column at a time); T = (I + A)^-1 by
-blocks (the diagonal ones as a product of log2(16) factors, the others by products); W
+decay, taken as a product below e^80, else one key column at a time); T = (I + A)^-1 as
+the inverse of the rest times the diagonal blocks' inverse (products of log2 factors:
+batched [16, 16] ones, then [64, 64] ones); W
 and U~; the factors the state pass multiplies by (q e^G, beta k e^{G_last - G},
 e^{G_last}). Stored in workspaces per (chunk, head) (:func:`work_dtype`).
 Then ``kda_prefill_scan``: the state pass, which writes the outputs as it walks the chunks
 (by chunk groups where sequences x heads leave the GPU idle).
 
 Workspaces at D = DV = 128 in a bf16 model: about 72 KB per (chunk, head) of the
-preparation's outputs and 96 KB of scratch (q and k in bf16; G, A and T in fp32) freed
-after it: at most about 1.0 GB for 32K tokens at 12 heads, freed after the call (about
-1.7 GB for an fp32 model, whose outputs and q / k scratch double);
+preparation's outputs and 80 KB of scratch (q and k in bf16; G and A, then T, in fp32)
+freed after it: at most about 0.9 GB for 32K tokens at 12 heads, freed after the call
+(about 1.6 GB for an fp32 model, whose outputs and q / k scratch double);
 ``RuntimeOptions.prefill_chunk`` bounds them.
 
-Chunks are found on the device (:func:`chunk_table`, one launch: the host's time before a
-prefill's first kernel is mostly launches): each sequence's chunks are numbered after the
-previous sequences', and the grids are sized for the worst case,
-``cdiv(T, BT) + sequences``; programs past the real count exit. No host synchronisation.
+Chunks are found on the device: each sequence's chunks are numbered after the previous
+sequences', and the grids are sized for the worst case, ``cdiv(T, BT) + sequences``;
+programs past the real count exit. No host synchronisation. The preparation, launched
+first, finds its own chunk (:func:`_locate_chunks`): the device waits for whatever the
+host does before that launch. The state pass reads :func:`chunk_table` (one launch).
 
 Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype),
-its products exact for an fp32 model, at the backend's default precision for fp32
-operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32 products spilled
-thousands of bytes per thread on sm_90, AOT), the diagonal blocks' inverse always exact;
+its products (the inverse's included) exact for an fp32 model, at the backend's default
+precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
+products spilled thousands of bytes per thread on sm_90, AOT; exact ones for the
+diagonal blocks' inverse ran on the FMA units, 5% of the preparation's time, decision 78);
 the state pass and its outputs multiply the workspaces' dtype (bf16 for a bf16 model, as
 fla-core does) with fp32 sums and an fp32 carried state.
 Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
@@ -145,24 +148,36 @@ def _diagonal_by_columns(q_s, k_s, g_s, a, sub, dk, D: tl.constexpr, BC: tl.cons
     return blk_a, blk_q
 
 
+@triton.jit
+def _unipotent_inverse(L, eye, LOG2: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + L)^-1 for L with L^(2^LOG2) = 0: the Neumann series sum_n (-L)^n as the product
+    (I - L)(I + L^2)(I + L^4) ... (I + L^(2^(LOG2 - 1))), LOG2 - 1 squarings."""
+    X = eye - L
+    for _ in tl.static_range(LOG2 - 1):
+        L = tl.dot(L, L, input_precision=PRECISION)
+        X = tl.dot(X, L, X, input_precision=PRECISION)  # X (I + L)
+    return X
+
+
 @counted
 @triton.jit
 def _kda_chunk_prep_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [T, H, D], [T, H, D], [T, H, DV], [T, H, D] fp32, [T, H] fp32
-    cu_ptr, chunk_seq_ptr, chunk_first_ptr, n_chunks_ptr,  # cu_seqlens [N+1]; per chunk: sequence, first token; [1]
+    cu_ptr,  # cu_seqlens [N+1]
     w_ptr, u_ptr, aq_ptr, qg_ptr, ke_ptr, gl_ptr,  # per (chunk, head): [BT, D], [BT, DV], [BT, BT], [BT, D] x2, [D]
-    qk_ptr, gc_ptr, a_ptr, t_ptr,  # per (chunk, head): q, k normalised [2, BT, D]; G [BT, D]; A and T [BT, BT]
-    scale, H, eps,
+    qk_ptr, gc_ptr, a_ptr,  # per (chunk, head): q, k normalised [2, BT, D]; G [BT, D]; A [BT, BT]
+    scale, N, H, eps,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
-    BD: tl.constexpr, BW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NC_LOG2: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    if c >= tl.load(n_chunks_ptr):
+    seq, t0, chunks = _locate_chunks(cu_ptr, c + tl.arange(0, 1), N, BT, BS)  # the chunk table's, for one chunk
+    if c >= chunks:
         return
-    seq = tl.load(chunk_seq_ptr + c)
-    t0 = tl.load(chunk_first_ptr + c)
-    end = tl.load(cu_ptr + seq + 1)
+    seq = tl.sum(seq, 0)
+    t0 = tl.sum(t0, 0).to(tl.int32)  # int32 registers (tokens < 2^31); addresses from int64 tok
+    end = tl.load(cu_ptr + seq + 1).to(tl.int32)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     dk = tl.arange(0, D)
@@ -229,31 +244,28 @@ def _kda_chunk_prep_kernel(
                      .to(aq_ptr.dtype.element_ty))
     tl.debug_barrier()
 
-    # 3. T = (I + A)^-1, block lower triangular like A, by row blocks a. The diagonal block
-    # A_aa = L is strictly lower, so L^BC = 0 and (I + L)^-1 = sum_n (-L)^n = (I - L)(I + L^2)
-    # (I + L^4) ... (I + L^(BC/2)): log2(BC) - 1 squarings, as exact fp32 products (small).
-    # Then for b < a, T_ab = -T_aa sum_{b<=c<a} A_ac T_cb (row blocks above a written by then).
-    t_s = t_ptr + base * BT * BT
-    eye = tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)
-    for a in range(BT // BC):
-        L = tl.load(a_s + (a * BC + sub)[:, None] * BT + (a * BC + sub)[None, :])
-        T_aa = eye - L
-        for _ in tl.static_range(BC_LOG2 - 1):
-            L = tl.dot(L, L, input_precision="ieee")
-            T_aa = tl.dot(T_aa, eye + L, input_precision="ieee")
-        tl.store(t_s + (a * BC + sub)[:, None] * BT + (a * BC + sub)[None, :], T_aa)
-        for b in range(a):
-            acc = tl.zeros([BC, BC], dtype=tl.float32)
-            for cb in range(b, a):
-                A_ac = tl.load(a_s + (a * BC + sub)[:, None] * BT + (cb * BC + sub)[None, :])
-                T_cb = tl.load(t_s + (cb * BC + sub)[:, None] * BT + (b * BC + sub)[None, :])
-                acc += tl.dot(A_ac, T_cb, input_precision=DOT_PRECISION)
-            T_ab = -tl.dot(T_aa, acc, input_precision=DOT_PRECISION)
-            tl.store(t_s + (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :], T_ab)
-        for b in range(a + 1, BT // BC):
-            tl.store(t_s + (a * BC + sub)[:, None] * BT + (b * BC + sub)[None, :], tl.zeros([BC, BC], tl.float32))
-        tl.debug_barrier()  # this row block of T is read by the next ones
-    Tinv = tl.load(t_s + rows[:, None] * BT + cols[None, :])
+    # 3. T = (I + A)^-1. A = L + N: L its diagonal blocks (strictly lower: L^BC = 0), N the
+    # blocks below them. I + A = (I + L)(I + P) with P = (I + L)^-1 N strictly block lower
+    # (P^NC = 0), so T = (I + P)^-1 (I + L)^-1, each inverse a product of log2 factors
+    # (_unipotent_inverse): the NC diagonal blocks' as batched products, written over them
+    # in the scratch, then the rest as [BT, BT] products.
+    blocks = tl.arange(0, NC)[:, None, None] * BC
+    diagonal = (blocks + sub[None, :, None]) * BT + blocks + sub[None, None, :]  # [NC, BC, BC]
+    inv_L = _unipotent_inverse(tl.load(a_s + diagonal), tl.where(sub[:, None] == sub[None, :], 1.0, 0.0)[None, :, :],
+                               BC_LOG2, DOT_PRECISION)
+    tl.debug_barrier()  # every diagonal block read before any is written over
+    tl.store(a_s + diagonal, inv_L)
+    tl.debug_barrier()
+    block = rows[:, None] * BT + cols[None, :]
+    same_block = (rows // BC)[:, None] == (cols // BC)[None, :]
+    M = tl.load(a_s + block)  # (I + L)^-1 and N
+    P = tl.dot(tl.where(same_block, M, 0.0), tl.where(same_block, 0.0, M), input_precision=DOT_PRECISION)
+    X = _unipotent_inverse(P, tl.where(rows[:, None] == cols[None, :], 1.0, 0.0), NC_LOG2, DOT_PRECISION)
+    Tinv = tl.dot(X, tl.where(same_block, tl.load(a_s + block), 0.0), input_precision=DOT_PRECISION)
+    tl.debug_barrier()  # T to phase 4 through the scratch (held in registers across it, it spills)
+    tl.store(a_s + block, Tinv)
+    tl.debug_barrier()
+    Tinv = tl.load(a_s + block)
 
     # 4. W, U~ and the state factors, BW-wide column blocks at a time (fewer live registers).
     beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
@@ -301,42 +313,60 @@ TABLE_SEQUENCES = 32
 TABLE_WARPS = 4
 
 
+@triton.jit
+def _sequence_chunks(cu_ptr, i, N, CHUNK: tl.constexpr):
+    """Sequences i's first tokens (int64) and chunk counts (int32; 0 for i >= N)."""
+    real = i < N
+    lo = tl.load(cu_ptr + i, mask=real, other=0).to(tl.int64)
+    tokens = tl.load(cu_ptr + i + 1, mask=real, other=0).to(tl.int64) - lo
+    return lo, tl.where(real, (tokens + CHUNK - 1) // CHUNK, 0).to(tl.int32)
+
+
+@triton.jit
+def _locate_chunks(cu_ptr, ids, N, CHUNK: tl.constexpr, BS: tl.constexpr):
+    """Chunk ids [B] of the packed sequences delimited by cu_seqlens, cut in chunks of CHUNK
+    tokens numbered sequence after sequence: each id's sequence (the number of sequences
+    whose chunks end at or before it, ``searchsorted(ends, id, right=True)``; the last one
+    for ids past the chunks) and first token (its sequence's first chunk is the largest of
+    those ends), and the number of chunks; BS sequences at a time."""
+    seq = tl.zeros_like(ids)
+    start = tl.zeros_like(ids)
+    total = tl.zeros([], dtype=tl.int32)
+    for s0 in range(0, N, BS):
+        i = s0 + tl.arange(0, BS)
+        _, n = _sequence_chunks(cu_ptr, i, N, CHUNK)
+        ends = total + tl.cumsum(n, 0)
+        before = (ends[None, :] <= ids[:, None]) & (i < N)[None, :]
+        seq += tl.sum(before.to(tl.int32), axis=1)
+        start = tl.maximum(start, tl.max(tl.where(before, ends[None, :], 0), axis=1))
+        total += tl.sum(n, 0)
+    seq = tl.minimum(seq, N - 1)
+    return seq, tl.load(cu_ptr + seq).to(tl.int64) + (ids - start).to(tl.int64) * CHUNK, total
+
+
 @counted
 @triton.jit
 def _chunk_table_kernel(
     cu_in_ptr, cu_ptr, seq_ptr, first_ptr, counts_ptr, seq_first_ptr, seq_chunks_ptr,  # ChunkTable's tensors
     N, worst, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
 ):
-    """Program p: chunk ids [p BLOCK, (p + 1) BLOCK). A chunk's sequence is the number of
-    sequences whose chunks end at or before it (``searchsorted(ends, id, right=True)``),
-    its sequence's first chunk the largest of those ends; BS sequences at a time. Program
-    0 also writes the per-sequence columns, cu_seqlens as int64 and the counts [chunks, N]."""
+    """Program p: chunk ids [p BLOCK, (p + 1) BLOCK) (:func:`_locate_chunks`). Program 0 also
+    writes the per-sequence columns, cu_seqlens as int64 and the counts [chunks, N]."""
     ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    first_program = tl.program_id(0) == 0
-    seq = tl.zeros([BLOCK], dtype=tl.int32)
-    start = tl.zeros([BLOCK], dtype=tl.int32)
-    total = tl.zeros([], dtype=tl.int32)
-    for s0 in range(0, N, BS):
-        i = s0 + tl.arange(0, BS)
-        real = i < N
-        lo = tl.load(cu_in_ptr + i, mask=real, other=0).to(tl.int64)
-        tokens = tl.load(cu_in_ptr + i + 1, mask=real, other=0).to(tl.int64) - lo
-        n = tl.where(real, (tokens + CHUNK - 1) // CHUNK, 0).to(tl.int32)
-        ends = total + tl.cumsum(n, 0)
-        before = (ends[None, :] <= ids[:, None]) & real[None, :]
-        seq += tl.sum(before.to(tl.int32), axis=1)
-        start = tl.maximum(start, tl.max(tl.where(before, ends[None, :], 0), axis=1))
-        if first_program:
-            tl.store(cu_ptr + i, lo, mask=real)
-            tl.store(seq_first_ptr + i, (ends - n).to(tl.int64), mask=real)
-            tl.store(seq_chunks_ptr + i, n.to(tl.int64), mask=real)
-        total += tl.sum(n, 0)
-    seq = tl.minimum(seq, N - 1)
+    seq, first, total = _locate_chunks(cu_in_ptr, ids, N, CHUNK, BS)
     in_grid = ids < worst
     tl.store(seq_ptr + ids, seq.to(tl.int64), mask=in_grid)
-    tl.store(first_ptr + ids, tl.load(cu_in_ptr + seq, mask=in_grid, other=0).to(tl.int64)
-             + (ids - start).to(tl.int64) * CHUNK, mask=in_grid)
-    if first_program:
+    tl.store(first_ptr + ids, first, mask=in_grid)
+    if tl.program_id(0) == 0:
+        done = tl.zeros([], dtype=tl.int32)
+        for s0 in range(0, N, BS):
+            i = s0 + tl.arange(0, BS)
+            real = i < N
+            lo, n = _sequence_chunks(cu_in_ptr, i, N, CHUNK)
+            tl.store(cu_ptr + i, lo, mask=real)
+            tl.store(seq_first_ptr + i, (done + tl.cumsum(n, 0) - n).to(tl.int64), mask=real)
+            tl.store(seq_chunks_ptr + i, n.to(tl.int64), mask=real)
+            done += tl.sum(n, 0)
         tl.store(cu_ptr + N, tl.load(cu_in_ptr + N).to(tl.int64))
         tl.store(counts_ptr, total.to(tl.int64))
         tl.store(counts_ptr + 1, total.to(tl.int64) * 0 + N)
@@ -399,6 +429,14 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float32 else dtype
 
 
+def prep_constants(target: str, D: int, DV: int, chunk: int, dtype: torch.dtype) -> dict[str, object]:
+    """The preparation's compile-time arguments on ``target`` for head dims ``D`` / ``DV``,
+    chunks of ``chunk`` tokens and a model in ``dtype``."""
+    return {"D": D, "DV": DV, "BT": chunk, "BC": SUB_CHUNK, "BC_LOG2": SUB_CHUNK.bit_length() - 1,
+            "NC_LOG2": (chunk // SUB_CHUNK).bit_length() - 1, "BD": head_slice(target, D), "BW": w_block(D, DV),
+            "BS": TABLE_SEQUENCES, "DOT_PRECISION": dot_precision(dtype)}
+
+
 def kernel_takes_dims(D: int, DV: int, chunk: int = CHUNK) -> bool:
     """Whether the kernels take head dims ``D`` / ``DV`` and ``chunk``: powers of two >= 16,
     the chunk at most four sub-chunks (the preparation's row blocks)."""
@@ -425,18 +463,18 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     T, H, D = q.shape
     DV = v.shape[-1]
     N = slots.numel()
-    o = torch.empty((T, H, DV), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
-        return o
+        return torch.empty((T, H, DV), dtype=v.dtype, device=v.device)
     dev = q.device
-    table = chunk_table(cu_seqlens, T, chunk)
-    worst = table.seq.numel()
+    # The preparation first (it finds its chunks itself): what the host does before its
+    # launch, the device waits for.
+    worst = triton.cdiv(T, chunk) + N  # ChunkTable's grid
     f32 = {"dtype": torch.float32, "device": dev}
     work = {"dtype": work_dtype(v.dtype), "device": dev}
     w, qg, ke = (torch.empty((worst, H, chunk, D), **work) for _ in range(3))
     u = torch.empty((worst, H, chunk, DV), **work)
     aq = torch.empty((worst, H, chunk, chunk), **work)
-    a, t_inv = (torch.empty((worst, H, chunk, chunk), **f32) for _ in range(2))
+    a = torch.empty((worst, H, chunk, chunk), **f32)
     qk = torch.empty((worst, H, 2, chunk, D), **work)
     g_cum = torch.empty((worst, H, chunk, D), **f32)
     gl = torch.empty((worst, H, D), **f32)
@@ -445,13 +483,14 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     target = device_target(dev)
     warps = WARPS[target]
     _kda_chunk_prep_kernel[(worst, H)](
-        q, k, v, g.float().contiguous(), beta.float().contiguous(), table.cu, table.seq, table.first, table.count,
-        w, u, aq, qg, ke, gl, qk, g_cum, a, t_inv, float(scale), H, L2NORM_EPS, D=D, DV=DV, BT=chunk, BC=SUB_CHUNK,
-        BC_LOG2=SUB_CHUNK.bit_length() - 1, BD=head_slice(target, D), BW=w_block(D, DV), DOT_PRECISION=precision,
-        num_warps=warps["prep"], num_stages=1,
+        q, k, v, g.float().contiguous(), beta.float().contiguous(), cu_seqlens, w, u, aq, qg, ke, gl, qk, g_cum, a,
+        float(scale), N, H, L2NORM_EPS,
+        **prep_constants(target, D, DV, chunk, v.dtype), num_warps=warps["prep"], num_stages=1,
         **register_cap(target, PREP_MAX_REGISTERS.get(target)),
     )
-    del qk, g_cum, a, t_inv
+    del qk, g_cum, a
+    table = chunk_table(cu_seqlens, T, chunk)
+    o = torch.empty((T, H, DV), dtype=v.dtype, device=dev)
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X[target], D, DV)
     fp32_dot = interpreted()  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
@@ -500,13 +539,11 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
     warps = WARPS[target]
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
-    prep_c = {"D": head_dim, "DV": head_dim, "BT": CHUNK, "BC": SUB_CHUNK,
-              "BC_LOG2": SUB_CHUNK.bit_length() - 1, "BD": head_slice(target, head_dim),
-              "BW": w_block(head_dim, head_dim), "DOT_PRECISION": precision}
+    prep_c = prep_constants(target, head_dim, head_dim, CHUNK, dtype)
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
-                  "cu_ptr": "*i64", "chunk_seq_ptr": "*i64", "chunk_first_ptr": "*i64", "n_chunks_ptr": "*i64",
+                  "cu_ptr": "*i32",
                   **{p: f"*{wt}" for p in (*WORKSPACES, "qk_ptr")},
-                  **{p: "*fp32" for p in ("gl_ptr", "gc_ptr", "a_ptr", "t_ptr")},
+                  **{p: "*fp32" for p in ("gl_ptr", "gc_ptr", "a_ptr")},
                   "scale": "fp32", "eps": "fp32"}
     launches = [chunk_table_launch(CHUNK), KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],

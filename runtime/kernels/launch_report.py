@@ -269,19 +269,18 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     tile, square = worst * H * BT * D, worst * H * BT * BT
     sizes = {"q_ptr": T * H * D * act, "k_ptr": T * H * D * act, "v_ptr": T * H * D * act, "o_ptr": T * H * D * act,
              "g_ptr": T * H * D * 4, **{n: tile * work for n in ("w_ptr", "u_ptr", "qg_ptr", "ke_ptr")},
-             "aq_ptr": square * work, "qk_ptr": 2 * tile * work, "gc_ptr": tile * 4, "a_ptr": square * 4,
-             "t_ptr": square * 4}
+             "aq_ptr": square * work, "qk_ptr": 2 * tile * work, "gc_ptr": tile * 4, "a_ptr": square * 4}
     if not kda_prefill.kernel_takes_dims(D, D):
         return []  # the reference: reference_fallbacks
-    ints = {"kda_prefill chunk table": {"N": s.batch, "worst": worst}}
+    ints = {"kda_prefill chunk table": {"N": s.batch, "worst": worst}, "kda_prefill prep": {"N": s.batch, "H": H}}
     launches = {launch.name: aot.specialised(_sized(launch, sizes), **ints.get(launch.name, {"H": H}))
                 for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
     tiles = D // min(scan.BLOCK_X[target], D)
     group = scan.group_size(s.batch, H, tiles, worst, units)
-    out = [PlannedLaunch("prefill", "kda prefill chunk table", launches["kda_prefill chunk table"],
-                         triton.cdiv(worst, kda_prefill.TABLE_BLOCK), f"{kda_prefill.TABLE_BLOCK} chunks a program"),
-           PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
-                         f"chunks of {kda_prefill.CHUNK}")]
+    out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
+                         f"chunks of {kda_prefill.CHUNK}"),
+           PlannedLaunch("prefill", "kda prefill chunk table", launches["kda_prefill chunk table"],
+                         triton.cdiv(worst, kda_prefill.TABLE_BLOCK), f"{kda_prefill.TABLE_BLOCK} chunks a program")]
     if group:
         segments = triton.cdiv(worst, group) + s.batch  # the launcher's worst-case grid (kda_prefill_scan.chunk_groups)
         out += [PlannedLaunch("prefill", "kda prefill group summaries", launches["kda_prefill group summaries"],
