@@ -61,14 +61,20 @@ def replay_time(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
     return statistics.median(times)
 
 
-def eager_time(fn: Callable[..., object], repeats: int = 5, setup: Callable[[], object] | None = None) -> float:
+def eager_time(fn: Callable[..., object], repeats: int = 5, setup: Callable[[], object] | None = None,
+               cover_cycles: int = 0) -> float:
     """Milliseconds per eager call of ``fn`` (what prefill runs: no graph), CUDA events, the
     median of ``repeats`` after one warm-up call. ``setup``: called before each call, outside
-    the timed span, its result passed to ``fn`` (fresh state for an op that updates it)."""
+    the timed span, its result passed to ``fn`` (fresh state for an op that updates it).
+    ``cover_cycles``: the stream spins that long before each timed span while the host
+    queues the call, so that the span starts at its first kernel: the device's time, the
+    host's only where the device waits on it after that kernel."""
     times = []
     for i in range(repeats + 1):
         args = () if setup is None else (setup(),)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cover_cycles:
+            torch.cuda._sleep(cover_cycles)
         start.record()
         fn(*args)
         stop.record()

@@ -4,6 +4,7 @@ the op's torch reference. CUDA GPU only.
 
     python benchmarks/kda_prefill.py [--tokens 4096 32768] [--batches 1 8] [--reference-max 8192]
         [--groups 0 8 16] [--profile] [--sweep] [--state-sweep] [--prep-sweep] [--phases] [--host]
+        [--part-costs] [--modules FILE ...]
 
 Each case is ``batch`` sequences of ``tokens`` each, packed (cu_seqlens), from random
 initial states, with K3's gate (lower bound -5). Timed eagerly (prefill is not captured in
@@ -11,7 +12,9 @@ a CUDA graph), CUDA events, median of 5 after a warm-up; the state copy each cal
 from is outside the timed span. Correctness first: the kernels' output and final states
 against the reference (up to ``--reference-max`` tokens) and against fla. "k3 ms" is the
 launcher's own choice of chunk groups (``kda_prefill_scan.group_size``, reported as
-"groups"); ``--groups`` also times given group sizes (0: none). ``--profile``: device ms
+"groups"); "device-bound ms" times the same calls from their first kernel (the stream
+spins while the host queues the call): what the host adds before that kernel is the
+difference. ``--groups`` also times given group sizes (0: none). ``--profile``: device ms
 per kernel of one call of ours and of fla's (torch profiler). ``--sweep``: ours at other
 launch settings (the preparation's warps and W / U~ columns per block, the state pass's
 warps, stages and state columns per program; the modules' tables patched for the call), ms
@@ -22,7 +25,10 @@ preparation's device ms at other warps, register caps (``maxnreg``) and A / Aq h
 slices. ``--phases``: the preparation's device time up to the end of each of its four
 phases (norms and G, A and Aq, the inverse, W / U~), from copies of its kernel that return
 there. ``--host``: the host's time to enqueue one call, the functions it spends it in, and
-when each kernel ran on the device from the call's start.
+when each kernel ran on the device from the call's start. ``--part-costs``: the
+preparation's device ms with each of its parts replaced by a stand-in (what the part
+costs). ``--modules FILE ...``: whole calls of other versions of kda_prefill.py (e.g. a
+commit's, from ``git show``) in the same process.
 """
 
 from __future__ import annotations
@@ -80,9 +86,16 @@ def fla_chunk(x: dict[str, torch.Tensor], state: torch.Tensor) -> torch.Tensor:
     return o[0]
 
 
-def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5) -> float:
-    """ms per call, median; each call from a fresh copy of the initial states."""
-    return eager_time(lambda state: fn(x, state), repeats, setup=x["state"].clone)
+#: GPU cycles the stream spins before a "device-bound" timed call (about 1 ms on an H200):
+#: longer than the host takes to reach a call's first kernel
+COVER_CYCLES = 2_000_000
+
+
+def timed(fn, x: dict[str, torch.Tensor], repeats: int = 5, covered: bool = False) -> float:
+    """ms per call, median; each call from a fresh copy of the initial states. ``covered``:
+    timed from the call's first kernel (``gpu_timing.eager_time``'s ``cover_cycles``)."""
+    return eager_time(lambda state: fn(x, state), repeats, setup=x["state"].clone,
+                      cover_cycles=COVER_CYCLES if covered else 0)
 
 
 #: --sweep's settings: (preparation warps and W / U~ columns, state-pass warps, its stages, state columns
@@ -156,26 +169,87 @@ def kernel_ms(fn, x: dict[str, torch.Tensor]) -> dict[str, float]:
 PHASES = ("    # 2. A and Aq", "    # 3. T = (I + A)^-1", "    # 4. W, U~")
 
 
+def module_copy(name: str, src: str):
+    """``src`` (a kda_prefill.py) imported as module ``name`` from a temporary file (Triton
+    compiles a kernel from its source file), its kernels not counted (``counted`` refuses
+    two kernels of one name)."""
+    path = f"{tempfile.mkdtemp()}/{name}.py"
+    with open(path, "w") as f:
+        f.write(src.replace("@counted\n@triton.jit", "@triton.jit"))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def edited(src: str, edits: list[tuple[str, str]]) -> str:
+    """``src`` with each (old, new) replaced; each old must occur once."""
+    for old, new in edits:
+        assert src.count(old) == 1, f"{old!r} not found once in kda_prefill.py"
+        src = src.replace(old, new)
+    return src
+
+
 @functools.cache
 def stopped_prep_kernels() -> dict[int, object]:
-    """Copies of the preparation kernel that return before phase 2, 3 and 4 (keys 1-3), in
-    modules written to temporary files (Triton compiles a kernel from its source file), once
+    """Copies of the preparation kernel that return before phase 2, 3 and 4 (keys 1-3), once
     per process."""
     src = inspect.getsource(kp)
-    src = src.replace("@counted\n@triton.jit\ndef _kda_chunk_prep_kernel", "@triton.jit\ndef _kda_chunk_prep_kernel")
-    kernels = {}
-    for stop, marker in enumerate(PHASES, start=1):
-        assert src.count(marker) == 1, f"phase marker {marker!r} not found once in kda_prefill.py"
-        name = f"kda_prefill_stopped_{stop}"
-        path = f"{tempfile.mkdtemp()}/{name}.py"
-        with open(path, "w") as f:
-            f.write(src.replace(marker, "    return\n" + marker))
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-        kernels[stop] = module._kda_chunk_prep_kernel
-    return kernels
+    return {stop: module_copy(f"kda_prefill_stopped_{stop}",
+                              edited(src, [(marker, "    return\n" + marker)]))._kda_chunk_prep_kernel
+            for stop, marker in enumerate(PHASES, start=1)}
+
+
+def part_stand_ins(src: str) -> dict[str, list[tuple[str, str]]]:
+    """--part-costs: parts of the preparation (``src``: kda_prefill.py) replaced by a stand-in
+    of the same shape, as edits of its source (the results are wrong; only the
+    preparation's time is read)."""
+    inverse = src[src.index(PHASES[1]):src.index(PHASES[2])]
+    skip_stores = [(f"        tl.store({p} + base", f"        if d0 < 0:\n            tl.store({p} + base")
+                   for p in ("ke_ptr", "qg_ptr")]
+    return {
+        "the decays' cumsum": [("tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0)",
+                                "tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0)")],
+        "A / Aq products": [("for d0 in range(0, D, BD):\n        dks", "for d0 in range(0, 0, BD):\n        dks")],
+        "the keys' decays but one a slice": [("tl.exp(tl.minimum(g_ref[None, :] - g_c, MAX_EXP))",
+                                              "tl.exp(tl.minimum(-g_c, MAX_EXP))")],
+        "the inverse": [(inverse, "    Tinv = tl.load(a_ptr + base * BT * BT + rows[:, None] * BT + cols[None, :])\n\n")],
+        "W / U~ products": [("w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)", "w = k_d * eG_d"),
+                            ("u = tl.dot(Tinv, v_e, input_precision=DOT_PRECISION)", "u = v_e")],
+        "q e^G and beta k e^{G_last - G}": skip_stores,
+    }
+
+
+def part_costs(x: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The preparation's device ms whole and with each of :func:`part_stand_ins` replaced:
+    the difference is what the part costs where the programs overlap."""
+    full = kp._kda_chunk_prep_kernel
+    row = {"prep ms": min(kernel_ms(ours, x)["_kda_chunk_prep_kernel"] for _ in range(3))}
+    src = inspect.getsource(kp)
+    try:
+        for i, (part, edits) in enumerate(part_stand_ins(src).items()):
+            kp._kda_chunk_prep_kernel = module_copy(f"kda_prefill_part_{i}", edited(src, edits))._kda_chunk_prep_kernel
+            ours(x, x["state"].clone())  # compile
+            row[f"without {part} ms"] = min(kernel_ms(ours, x)["_kda_chunk_prep_kernel"] for _ in range(3))
+    finally:
+        kp._kda_chunk_prep_kernel = full
+    return row
+
+
+def module_rows(x: dict[str, torch.Tensor], paths: list[str]) -> dict[str, dict[str, float]]:
+    """Whole calls of other kda_prefill.py files (e.g. ``git show REV:runtime/kernels/kda_prefill.py``)
+    beside the installed one, in this process: ms per call, from the first kernel, and the
+    preparation's device ms."""
+    rows = {}
+    for i, path in enumerate(paths):
+        with open(path) as f:
+            module = module_copy(f"kda_prefill_file_{i}", f.read())
+        fn = lambda x, s: module.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], s,  # noqa: E731
+                                             x["cu"], x["slots"], D**-0.5)
+        rows[path] = {"ms": round(timed(fn, x), 3), "device-bound ms": round(timed(fn, x, covered=True), 3),
+                      "prep ms": kernel_ms(fn, x)["_kda_chunk_prep_kernel"]}
+    return rows
 
 
 def phase_ms(x: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -256,6 +330,8 @@ def main() -> None:
     ap.add_argument("--state-sweep", action="store_true",
                     help="ours at other state-pass settings, each with the launcher's and every --groups size")
     ap.add_argument("--host", action="store_true", help="the host's enqueue time of one call, and where it goes")
+    ap.add_argument("--part-costs", action="store_true", help="the preparation with each of its parts replaced")
+    ap.add_argument("--modules", nargs="*", default=[], help="other kda_prefill.py files to time beside")
     args = ap.parse_args()
     try:
         import fla  # noqa: F401
@@ -280,10 +356,12 @@ def main() -> None:
                 o_peer = fn(x, s_peer)
                 row[f"err_vs_{name.split()[0]}"] = (rel_err(o, o_peer), rel_err(s_ours, s_peer))
                 row[f"{name} ms"] = round(timed(fn, x), 3)
+                row[f"{name} device-bound ms"] = round(timed(fn, x, covered=True), 3)
             value_tiles = DV // min(scan.BLOCK_X["sm_90"], DV)
             row["groups"] = scan.group_size(batch, H, value_tiles, tokens * batch // kp.CHUNK + batch,
                                             compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
+            row["k3 device-bound ms"] = round(timed(ours, x, covered=True), 3)
             for G in args.groups:
                 row[f"k3 groups={G} ms"] = round(timed(lambda x, s: ours(x, s, G), x), 3)
             if args.sweep:
@@ -313,6 +391,11 @@ def main() -> None:
                         prep = kernel_ms(ours, x)["_kda_chunk_prep_kernel"]
                     print(json.dumps({"prep_sweep": setting, "batch": batch, "tokens": tokens, "prep ms": prep}),
                           flush=True)
+            if args.part_costs:
+                print(json.dumps({"part_costs": True, "batch": batch, "tokens": tokens, **part_costs(x)}), flush=True)
+            if args.modules:
+                print(json.dumps({"modules": True, "batch": batch, "tokens": tokens, **module_rows(x, args.modules)}),
+                      flush=True)
             if args.phases:
                 print(json.dumps({"phases": True, "batch": batch, "tokens": tokens, **phase_ms(x)}), flush=True)
             if args.profile:
