@@ -17,6 +17,8 @@ over every token).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -123,14 +125,14 @@ def test_w_blocks_narrower_than_the_head_dims(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
 def test_gates_stronger_than_k3s():
-    """Gates of -8 to -12 a token (K3's are above -5): a sub-chunk decays past e^MAX_EXP, so
+    """Gates of -8 to -12 a token (K3's are above -5): a sub-chunk decays past 2^MAX_EXP2, so
     the preparation's diagonal blocks take the column-at-a-time path (whose rows above the
     column overflow and are masked: the interpreter warns); still the reference's outputs
     and states (which then barely depend on earlier tokens)."""
     x = make([40, 33], D=16, DV=16, seed=6)
     x["g"] = -8.0 - 4.0 * torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     span = 15 * 8.0  # the least decay over a sub-chunk of 16
-    assert span > kda_prefill.MAX_EXP.value
+    assert span * math.log2(math.e) > kda_prefill.MAX_EXP2.value
     o, state, o_ref, state_ref = run_both(x, chunk=16)
     close(o, o_ref, torch.float32, "o")
     close(state, state_ref, torch.float32, "state")
@@ -244,13 +246,13 @@ def test_kernels_compile_for_every_target(aot_reports):
     the runtime launches them (on AMD with ROCm's buffer loads): every kernel (chunk
     table, preparation, state pass with the outputs, group summaries, group scan) compiles
     and fits its targets' shared memory / LDS without spills on AMD; on sm_90 at most 16 words a
-    thread, and at most 32 for the preparation under its register cap (28 observed:
+    thread, and at most 48 for the preparation under its register cap (44 observed:
     three programs per SM with those spills were measured faster than two without,
-    kda_prefill.PREP_MAX_REGISTERS, and its own chunk lookup faster than the table's
-    launch before it, decision 78)."""
+    kda_prefill.PREP_MAX_REGISTERS, and its own chunk lookup and exp2 decays faster than
+    the table's launch before it and exp, decision 78)."""
     assert len(aot_reports) == 5 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
-        allowed = 0 if target.startswith("gfx") else 32 if name == "kda_prefill prep" else 16
+        allowed = 0 if target.startswith("gfx") else 48 if name == "kda_prefill prep" else 16
         assert res.fits, (target, name, res)
         assert res.spills is not None and res.spills <= allowed, (target, name, res)
 

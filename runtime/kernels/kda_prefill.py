@@ -15,7 +15,8 @@ convention) and q scaled, in chunks of BT tokens with in-chunk inclusive gate cu
 
 ``_kda_chunk_prep_kernel``, grid (chunks, heads): everything that does not depend on the
 state, for every chunk of every sequence in parallel: the norms and G (to scratch
-tiles: q and k in the workspaces' dtype, as fla-core's l2norm writes them, G in fp32);
+tiles: q and k in the workspaces' dtype, as fla-core's l2norm writes them, G in fp32
+and base 2, G log2(e), so that each decay is one exp2);
 A and Aq by row blocks of 16 (sub-chunks), each a [16, 64] product against the whole
 chunk's keys, accumulated over head-dim slices (:data:`HEAD_SLICE`) so that each
 slice of the keys is loaded once for the four row blocks, with the decay split at the
@@ -79,9 +80,11 @@ W_BLOCK = 64
 #: benchmarks/kda_prefill.py --prep-sweep; AMD: two workgroups per gfx950 / gfx942 CU at
 #: every pointer width (AOT, docs/kernels.md; 64 leaves one where buffer loads are off)
 HEAD_SLICE = {"sm_90": 32, "gfx950": 32, "gfx942": 32}
-#: the largest decay exponent a diagonal A / Aq block takes as one product (fp32 overflows
-#: past e^88; normalised keys and 64 terms leave the margin)
-MAX_EXP = tl.constexpr(80.0)
+#: the largest decay exponent a diagonal A / Aq block takes as one product, base 2 (the
+#: scratch holds G in base 2, G log2(e), so that a decay is one exp2): 2^115 = e^79.7 (fp32
+#: overflows past e^88; normalised keys and 64 terms leave the margin)
+MAX_EXP2 = tl.constexpr(115.0)
+LOG2E = tl.constexpr(1.4426950408889634)
 #: warps of the preparation and of the state pass / group scan per target
 #: (``targets.device_target``). CUDA: the fastest of an H200 sweep
 #: (benchmarks/kda_prefill.py --sweep, BENCHMARKS.md), none spilling; AMD: from the AOT
@@ -107,12 +110,12 @@ def _row_block_products(q_s, k_s, g_s, a: tl.constexpr, k_c, g_c, sub, dks, acc_
                         BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Row block a of A and Aq plus one head-dim slice's products: a's keys and queries
     decayed to its first row, k_r e^{G_r - G_ref} and q_r e^{G_r - G_ref}, against the
-    chunk's keys ``k_c`` decayed from that row, e^{G_ref - G_j} k_j (capped at e^MAX_EXP:
+    chunk's keys ``k_c`` decayed from that row, e^{G_ref - G_j} k_j (capped at 2^MAX_EXP2:
     the keys after a, masked out later)."""
     tile = (a * BC + sub)[:, None] * D + dks[None, :]
     g_ref = tl.load(g_s + a * BC * D + dks)
-    e_a = tl.exp(tl.load(g_s + tile) - g_ref[None, :])
-    kt = tl.trans(k_c * tl.exp(tl.minimum(g_ref[None, :] - g_c, MAX_EXP)))
+    e_a = tl.exp2(tl.load(g_s + tile) - g_ref[None, :])
+    kt = tl.trans(k_c * tl.exp2(tl.minimum(g_ref[None, :] - g_c, MAX_EXP2)))
     return (tl.dot(tl.load(k_s + tile).to(tl.float32) * e_a, kt, acc_a, input_precision=DOT_PRECISION),
             tl.dot(tl.load(q_s + tile).to(tl.float32) * e_a, kt, acc_q, input_precision=DOT_PRECISION))
 
@@ -141,7 +144,7 @@ def _diagonal_by_columns(q_s, k_s, g_s, a, sub, dk, D: tl.constexpr, BC: tl.cons
     blk_q = tl.zeros([BC, BC], dtype=tl.float32)
     for j in range(BC):
         G_j = tl.load(g_s + (a * BC + j) * D + dk)
-        kd = tl.exp(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk).to(tl.float32)[None, :]
+        kd = tl.exp2(G_a - G_j[None, :]) * tl.load(k_s + (a * BC + j) * D + dk).to(tl.float32)[None, :]
         col = (sub == j)[None, :]
         blk_a += tl.where(col, tl.sum(k_a * kd, axis=1)[:, None], 0.0)
         blk_q += tl.where(col, tl.sum(q_a * kd, axis=1)[:, None], 0.0)
@@ -189,22 +192,22 @@ def _kda_chunk_prep_kernel(
     k_s = q_s + BT * D
     g_s = gc_ptr + base * BT * D
 
-    # 1. The norms and G, to scratch: the blocks below read them by sub-chunk.
+    # 1. The norms and G (base 2), to scratch: the blocks below read them by sub-chunk.
     qk_off = (tok[:, None] * H + h) * D + dk[None, :]
     q = tl.load(q_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
     k = tl.load(k_ptr + qk_off, mask=valid[:, None], other=0.0).to(tl.float32)
     tl.store(q_s + tile, (q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale).to(qk_ptr.dtype.element_ty))
     tl.store(k_s + tile, (k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None]).to(qk_ptr.dtype.element_ty))
-    tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0))
+    tl.store(g_s + tile, tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0) * LOG2E)
     tl.debug_barrier()
 
     # 2. A and Aq by row blocks of BC rows (sub-chunks a), each against the chunk's keys
     # [BT, BD] a head-dim slice at a time: the chunk's keys are loaded once a slice for all
     # row blocks. The decays are split at a's first row: e^{G_r - G_j} = e^{G_r - G_ref}
     # e^{G_ref - G_j}. For keys before a both exponents are <= 0 (G falls along the chunk);
-    # keys after a are masked out (their exponent is capped at MAX_EXP so they stay
+    # keys after a are masked out (their exponent is capped at MAX_EXP2 so they stay
     # finite); keys within a decay by up to a sub-chunk's decay, e^75 at K3's gate (-5 a
-    # token), exact while below e^MAX_EXP. Past that (stronger gates) the diagonal blocks
+    # token), exact while below 2^MAX_EXP2. Past that (stronger gates) the diagonal blocks
     # are taken again one key column at a time. beta of the key columns last.
     NC: tl.constexpr = BT // BC
     sub = tl.arange(0, BC)
@@ -232,7 +235,7 @@ def _kda_chunk_prep_kernel(
     if NC >= 4:
         _store_row_block(a_s, aq_s, A2, Q2, 2, beta_c, sub, cols, BT, BC)
         _store_row_block(a_s, aq_s, A3, Q3, 3, beta_c, sub, cols, BT, BC)
-    if span >= MAX_EXP:
+    if span >= MAX_EXP2:
         tl.debug_barrier()  # the diagonal blocks are stored again
         for a in range(NC):
             blk_a, blk_q = _diagonal_by_columns(q_s, k_s, g_s, a, sub, dk, D, BC)
@@ -274,15 +277,15 @@ def _kda_chunk_prep_kernel(
         cols_d = d0 + wide
         blk = rows[:, None] * D + cols_d[None, :]
         G_d = tl.load(g_s + blk)
-        eG_d = tl.exp(G_d)
+        eG_d = tl.exp2(G_d)
         G_last = tl.load(g_s + (BT - 1) * D + cols_d)
         k_d = tl.load(k_s + blk).to(tl.float32)
         w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)
         tl.store(w_ptr + base * BT * D + blk, w.to(w_ptr.dtype.element_ty))
-        ke = k_d * tl.exp(G_last[None, :] - G_d) * beta[:, None]
+        ke = k_d * tl.exp2(G_last[None, :] - G_d) * beta[:, None]
         tl.store(ke_ptr + base * BT * D + blk, ke.to(ke_ptr.dtype.element_ty))
         tl.store(qg_ptr + base * BT * D + blk, (tl.load(q_s + blk).to(tl.float32) * eG_d).to(qg_ptr.dtype.element_ty))
-        tl.store(gl_ptr + base * D + cols_d, tl.exp(G_last))
+        tl.store(gl_ptr + base * D + cols_d, tl.exp2(G_last))
     for e0 in range(0, DV, BW):
         cols_v = e0 + wide
         v_e = tl.load(v_ptr + (tok[:, None] * H + h) * DV + cols_v[None, :], mask=valid[:, None],
