@@ -212,8 +212,8 @@ def part_stand_ins(src: str) -> dict[str, list[tuple[str, str]]]:
         "the decays' cumsum": [("tl.cumsum(tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0), axis=0)",
                                 "tl.load(g_ptr + qk_off, mask=valid[:, None], other=0.0)")],
         "A / Aq products": [("for d0 in range(0, D, BD):\n        dks", "for d0 in range(0, 0, BD):\n        dks")],
-        "the keys' decays but one a slice": [("tl.exp(tl.minimum(g_ref[None, :] - g_c, MAX_EXP))",
-                                              "tl.exp(tl.minimum(-g_c, MAX_EXP))")],
+        "the keys' decays but one a slice": [("tl.exp2(tl.minimum(g_ref[None, :] - g_c, MAX_EXP2))",
+                                              "tl.exp2(tl.minimum(-g_c, MAX_EXP2))")],
         "the inverse": [(inverse, "    Tinv = tl.load(a_ptr + base * BT * BT + rows[:, None] * BT + cols[None, :])\n\n")],
         "W / U~ products": [("w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)", "w = k_d * eG_d"),
                             ("u = tl.dot(Tinv, v_e, input_precision=DOT_PRECISION)", "u = v_e")],
@@ -239,15 +239,20 @@ def part_costs(x: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def module_rows(x: dict[str, torch.Tensor], paths: list[str]) -> dict[str, dict[str, float]]:
     """Whole calls of other kda_prefill.py files (e.g. ``git show REV:runtime/kernels/kda_prefill.py``)
-    beside the installed one, in this process: ms per call, from the first kernel, and the
-    preparation's device ms."""
+    beside the installed one, in this process: their outputs' and states' error against the
+    installed one's, ms per call, from the first kernel, and the preparation's device ms."""
+    s_ours = x["state"].clone()
+    o_ours = ours(x, s_ours)
     rows = {}
     for i, path in enumerate(paths):
         with open(path) as f:
             module = module_copy(f"kda_prefill_file_{i}", f.read())
         fn = lambda x, s: module.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], s,  # noqa: E731
                                              x["cu"], x["slots"], D**-0.5)
-        rows[path] = {"ms": round(timed(fn, x), 3), "device-bound ms": round(timed(fn, x, covered=True), 3),
+        s_file = x["state"].clone()
+        o_file = fn(x, s_file)
+        rows[path] = {"err_vs_installed": (rel_err(o_file, o_ours), rel_err(s_file, s_ours)),
+                      "ms": round(timed(fn, x), 3), "device-bound ms": round(timed(fn, x, covered=True), 3),
                       "prep ms": kernel_ms(fn, x)["_kda_chunk_prep_kernel"]}
     return rows
 
