@@ -20,6 +20,15 @@ from k3compile.checkpoint.generate import GenerateOptions, generate_model_dir
 from k3compile.config import PRESETS
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests a module names in ``SWEEP_ONLY`` (their ids, parameters included) are marked
+    ``sweep``: one case of a parametrised module fixture that CI's time cannot hold."""
+    for item in items:
+        if item.name in getattr(item.module, "SWEEP_ONLY", ()):
+            item.add_marker(pytest.mark.sweep)
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory: pytest.TempPathFactory):
     """ckpt(preset, experts, seed, shard_bytes) -> a generated model dir (cached per session)."""

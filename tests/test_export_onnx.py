@@ -39,6 +39,8 @@ PREFILL = ExportOptions(**{**OPTIONS.__dict__, "phase": "prefill"})
 # and norm) the CPU runs as their references, in CI; the all-linear preset in the sweep
 CASES = [("tiny", "mxfp4", {}), ("tiny-h24", "mxfp4", {"target": "h200"}),
          pytest.param(("tiny-linear", "bf16", {}), marks=pytest.mark.sweep, id="tiny-linear")]
+# with the sweeps (conftest): CI runs the prefill export on ``tiny`` (50 s a preset)
+SWEEP_ONLY = ("test_onnx_runtime_prefill_then_decode_equal_the_runtime[tiny-h24]",)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0])
