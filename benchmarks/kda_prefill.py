@@ -272,21 +272,32 @@ def phase_ms(x: dict[str, torch.Tensor]) -> dict[str, float]:
     return row
 
 
-def host_time(x: dict[str, torch.Tensor], repeats: int = 5) -> dict[str, object]:
-    """The host's time to enqueue one call of ours (no synchronisation inside it), the median
-    of ``repeats`` after the device drained, and the functions with the most own time (cProfile)."""
-    import cProfile
-    import pstats
+def enqueue_ms(fn, repeats: int = 5, setup=tuple) -> float:
+    """The host's ms to run ``fn(*setup())`` (launches only: nothing in it synchronises), the
+    median of ``repeats``, each after the device drained; ``setup`` untimed."""
     import time
 
     times = []
     for _ in range(repeats):
-        state = x["state"].clone()
+        args = setup()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ours(x, state)
+        fn(*args)
         times.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_time(x: dict[str, torch.Tensor], repeats: int = 5) -> dict[str, object]:
+    """The host's time to enqueue one call of ours and, of that, the chunk table's (before
+    the twenty-sixth session it preceded the preparation's launch), and the functions with
+    the most own time (cProfile)."""
+    import cProfile
+    import pstats
+
+    T = x["q"].shape[0]
+    call = enqueue_ms(lambda state: ours(x, state), repeats, setup=lambda: (x["state"].clone(),))
+    table = enqueue_ms(lambda: kp.chunk_table(x["cu"], T, kp.CHUNK), 20)
     prof = cProfile.Profile()
     state = x["state"].clone()
     torch.cuda.synchronize()
@@ -296,7 +307,7 @@ def host_time(x: dict[str, torch.Tensor], repeats: int = 5) -> dict[str, object]
     torch.cuda.synchronize()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, _, own s, cumulative s, _)}
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
-    return {"enqueue ms": round(statistics.median(times), 3),
+    return {"enqueue ms": round(call, 3), "chunk table us": round(table * 1e3, 1),
             "own ms": {f"{k[0].rsplit('/', 1)[-1]}:{k[1]} {k[2]}": round(v[2] * 1e3, 3) for k, v in top},
             "kernels (start, end us from the call's start)": timeline(x)}
 
@@ -363,7 +374,7 @@ def main() -> None:
                 row[f"{name} ms"] = round(timed(fn, x), 3)
                 row[f"{name} device-bound ms"] = round(timed(fn, x, covered=True), 3)
             value_tiles = DV // min(scan.BLOCK_X["sm_90"], DV)
-            row["groups"] = scan.group_size(batch, H, value_tiles, tokens * batch // kp.CHUNK + batch,
+            row["groups"] = scan.group_size(batch, H, value_tiles, kp.worst_chunks(tokens * batch, batch, kp.CHUNK),
                                             compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
             row["k3 device-bound ms"] = round(timed(ours, x, covered=True), 3)

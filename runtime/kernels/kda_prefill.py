@@ -297,8 +297,8 @@ def _kda_chunk_prep_kernel(
 @dataclass(frozen=True)
 class ChunkTable:
     """Packed sequences cut in chunks of ``chunk`` tokens, numbered sequence after
-    sequence, for a worst-case grid of ``cdiv(T, chunk) + N`` programs (every sequence may
-    end in a partial chunk); computed on the device by one launch, no host synchronisation."""
+    sequence, for a worst-case grid of :func:`worst_chunks` programs; computed on the device by
+    one launch, no host synchronisation."""
 
     cu: Tensor  # cu_seqlens as int64 [N+1]
     seq: Tensor  # [worst] each chunk's sequence (programs past ``count`` exit)
@@ -375,10 +375,16 @@ def _chunk_table_kernel(
         tl.store(counts_ptr + 1, total.to(tl.int64) * 0 + N)
 
 
+def worst_chunks(tokens: int, sequences: int, chunk: int) -> int:
+    """The most chunks of ``chunk`` tokens that ``tokens`` packed tokens in ``sequences``
+    sequences make (each sequence may end in a partial chunk): the grids' size."""
+    return triton.cdiv(tokens, chunk) + sequences
+
+
 def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
     """The :class:`ChunkTable` of ``total`` packed tokens delimited by ``cu_seqlens``."""
     N = cu_seqlens.numel() - 1
-    worst = triton.cdiv(total, chunk) + N
+    worst = worst_chunks(total, N, chunk)
     i64 = {"dtype": torch.int64, "device": cu_seqlens.device}
     cu, seq, first, counts = torch.empty(N + 1, **i64), torch.empty(worst, **i64), torch.empty(worst, **i64), \
         torch.empty(2, **i64)
@@ -471,7 +477,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     dev = q.device
     # The preparation first (it finds its chunks itself): what the host does before its
     # launch, the device waits for.
-    worst = triton.cdiv(T, chunk) + N  # ChunkTable's grid
+    worst = worst_chunks(T, N, chunk)
     f32 = {"dtype": torch.float32, "device": dev}
     work = {"dtype": work_dtype(v.dtype), "device": dev}
     w, qg, ke = (torch.empty((worst, H, chunk, D), **work) for _ in range(3))

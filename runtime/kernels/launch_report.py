@@ -263,7 +263,7 @@ def _dedup_rows(target: str, s: StepShapes) -> list[PlannedLaunch]:
 def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     H, D = s.kda_heads, s.kda_head_dim
     chunks = triton.cdiv(s.context, kda_prefill.CHUNK)
-    worst = triton.cdiv(s.batch * s.context, kda_prefill.CHUNK) + s.batch
+    worst = kda_prefill.worst_chunks(s.batch * s.context, s.batch, kda_prefill.CHUNK)
     T, BT, act = s.batch * s.context, kda_prefill.CHUNK, s.dtype.itemsize
     work = kda_prefill.work_dtype(s.dtype).itemsize
     tile, square = worst * H * BT * D, worst * H * BT * BT
