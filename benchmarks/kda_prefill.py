@@ -214,9 +214,11 @@ def part_stand_ins(src: str) -> dict[str, list[tuple[str, str]]]:
         "A / Aq products": [("for d0 in range(0, D, BD):\n        dks", "for d0 in range(0, 0, BD):\n        dks")],
         "the keys' decays but one a slice": [("tl.exp2(tl.minimum(g_ref[None, :] - g_c, MAX_EXP2))",
                                               "tl.exp2(tl.minimum(-g_c, MAX_EXP2))")],
-        "the inverse": [(inverse, "    Tinv = tl.load(a_ptr + base * BT * BT + rows[:, None] * BT + cols[None, :])\n\n")],
-        "W / U~ products": [("w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)", "w = k_d * eG_d"),
-                            ("u = tl.dot(Tinv, v_e, input_precision=DOT_PRECISION)", "u = v_e")],
+        "the inverse": [(inverse, "    block = rows[:, None] * BT + cols[None, :]\n\n")],
+        "W / U~ products": [("w = tl.dot(Tw, (k_d * eG_d).to(w_ptr.dtype.element_ty).to(dot_ty), "
+                             "input_precision=DOT_PRECISION)", "w = k_d * eG_d"),
+                            ("u = tl.dot(Tw, v_e.to(w_ptr.dtype.element_ty).to(dot_ty), input_precision=DOT_PRECISION)",
+                             "u = v_e.to(tl.float32)")],
         "q e^G and beta k e^{G_last - G}": skip_stores,
     }
 

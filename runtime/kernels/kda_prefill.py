@@ -43,13 +43,14 @@ programs past the real count exit. No host synchronisation. The preparation, lau
 first, finds its own chunk (:func:`_locate_chunks`): the device waits for whatever the
 host does before that launch. The state pass reads :func:`chunk_table` (one launch).
 
-Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype),
-its products (the inverse's included) exact for an fp32 model, at the backend's default
+Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype);
+A, Aq and the inverse's products exact for an fp32 model, at the backend's default
 precision for fp32 operands otherwise (tf32 on CUDA: ``dot_precision``; exact fp32
 products spilled thousands of bytes per thread on sm_90, AOT; exact ones for the
-diagonal blocks' inverse ran on the FMA units, 5% of the preparation's time, decision 78);
-the state pass and its outputs multiply the workspaces' dtype (bf16 for a bf16 model, as
-fla-core does) with fp32 sums and an fp32 carried state.
+diagonal blocks' inverse ran on the FMA units, 5% of the preparation's time, decision 78).
+W, U~, the state pass and the outputs multiply the workspaces' dtype (T, k e^G and v in
+bf16 for a bf16 model, as fla-core does; decision 79) with fp32 sums and an fp32 carried
+state.
 Padding rows of a sequence's last chunk hold q = k = v = 0, g = 0 and beta = 0, so they
 neither decay nor write the state, as in the reference.
 """
@@ -92,8 +93,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 WARPS = {"sm_90": {"prep": 4, "scan": 4}, "gfx950": {"prep": 4, "scan": 4}, "gfx942": {"prep": 4, "scan": 4}}
 #: a cap on the preparation's registers per thread (Triton's ``maxnreg``: NVIDIA targets
 #: only): 168 lets three programs reside per H200 SM instead of two (fastest of
-#: benchmarks/kda_prefill.py --prep-sweep, BENCHMARKS.md; the AOT report shows no spills)
+#: benchmarks/kda_prefill.py --prep-sweep, BENCHMARKS.md; a few spilled words, AOT)
 PREP_MAX_REGISTERS = {"sm_90": 168}
+#: software-pipeline stages of the preparation (sm_90: its loops' loads issued ahead of the
+#: products that wait on them, three the fastest of benchmarks/kda_prefill.py --modules,
+#: BENCHMARKS.md; AMD: one until measured)
+PREP_STAGES = {"sm_90": 3, "gfx950": 1, "gfx942": 1}
 #: software-pipeline stages of the state pass, of the group summaries (fewer: two programs
 #: a unit instead of one, kda_prefill_scan.group_size) and of the group scan (its [D, D]
 #: summary blocks: three stages overflow an H200's shared memory). CUDA: the fastest of
@@ -172,6 +177,7 @@ def _kda_chunk_prep_kernel(
     scale, N, H, eps,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BC_LOG2: tl.constexpr,
     NC_LOG2: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -268,9 +274,12 @@ def _kda_chunk_prep_kernel(
     tl.debug_barrier()  # T to phase 4 through the scratch (held in registers across it, it spills)
     tl.store(a_s + block, Tinv)
     tl.debug_barrier()
-    Tinv = tl.load(a_s + block)
 
     # 4. W, U~ and the state factors, BW-wide column blocks at a time (fewer live registers).
+    # W and U~ multiply T and their operands in the workspaces' dtype, as the state pass does
+    # (bf16 for a bf16 model, as fla-core; fp32 under the interpreter: FP32_DOT).
+    dot_ty: tl.constexpr = tl.float32 if FP32_DOT else w_ptr.dtype.element_ty
+    Tw = tl.load(a_s + block).to(w_ptr.dtype.element_ty).to(dot_ty)
     beta = tl.load(beta_ptr + tok * H + h, mask=valid, other=0.0)
     wide = tl.arange(0, BW)
     for d0 in range(0, D, BW):
@@ -280,7 +289,7 @@ def _kda_chunk_prep_kernel(
         eG_d = tl.exp2(G_d)
         G_last = tl.load(g_s + (BT - 1) * D + cols_d)
         k_d = tl.load(k_s + blk).to(tl.float32)
-        w = tl.dot(Tinv, k_d * eG_d, input_precision=DOT_PRECISION)
+        w = tl.dot(Tw, (k_d * eG_d).to(w_ptr.dtype.element_ty).to(dot_ty), input_precision=DOT_PRECISION)
         tl.store(w_ptr + base * BT * D + blk, w.to(w_ptr.dtype.element_ty))
         ke = k_d * tl.exp2(G_last[None, :] - G_d) * beta[:, None]
         tl.store(ke_ptr + base * BT * D + blk, ke.to(ke_ptr.dtype.element_ty))
@@ -289,8 +298,8 @@ def _kda_chunk_prep_kernel(
     for e0 in range(0, DV, BW):
         cols_v = e0 + wide
         v_e = tl.load(v_ptr + (tok[:, None] * H + h) * DV + cols_v[None, :], mask=valid[:, None],
-                      other=0.0).to(tl.float32)
-        u = tl.dot(Tinv, v_e, input_precision=DOT_PRECISION)
+                      other=0.0)
+        u = tl.dot(Tw, v_e.to(w_ptr.dtype.element_ty).to(dot_ty), input_precision=DOT_PRECISION)
         tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + cols_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
@@ -489,12 +498,14 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     gl = torch.empty((worst, H, D), **f32)
     q, k, v = (t.contiguous() for t in (q, k, v))
     precision = dot_precision(v.dtype)
+    fp32_dot = interpreted()  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
     target = device_target(dev)
     warps = WARPS[target]
     _kda_chunk_prep_kernel[(worst, H)](
         q, k, v, g.float().contiguous(), beta.float().contiguous(), cu_seqlens, w, u, aq, qg, ke, gl, qk, g_cum, a,
         float(scale), N, H, L2NORM_EPS,
-        **prep_constants(target, D, DV, chunk, v.dtype), num_warps=warps["prep"], num_stages=1,
+        **prep_constants(target, D, DV, chunk, v.dtype), FP32_DOT=fp32_dot, num_warps=warps["prep"],
+        num_stages=PREP_STAGES[target],
         **register_cap(target, PREP_MAX_REGISTERS.get(target)),
     )
     del qk, g_cum, a
@@ -502,7 +513,6 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     o = torch.empty((T, H, DV), dtype=v.dtype, device=dev)
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X[target], D, DV)
-    fp32_dot = interpreted()  # the interpreter's tl.dot multiplies bf16 bit patterns (triton#11584)
     c = {"D": D, "DV": DV, "BT": chunk, "BX": bx, "DOT_PRECISION": precision, "FP32_DOT": fp32_dot,
          "num_warps": warps["scan"], "num_stages": SCAN_STAGES[target]}
     factors = (w, u, ke, gl, qg, aq, o, table.cu, table.seq, table.first)
@@ -548,7 +558,7 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
     warps = WARPS[target]
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
-    prep_c = prep_constants(target, head_dim, head_dim, CHUNK, dtype)
+    prep_c = {**prep_constants(target, head_dim, head_dim, CHUNK, dtype), "FP32_DOT": False}
     prep_types = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                   "cu_ptr": "*i32",
                   **{p: f"*{wt}" for p in (*WORKSPACES, "qk_ptr")},
@@ -556,7 +566,7 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                   "scale": "fp32", "eps": "fp32"}
     launches = [chunk_table_launch(CHUNK), KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                              launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
-                             max_registers=PREP_MAX_REGISTERS.get(target))]
+                             PREP_STAGES[target], max_registers=PREP_MAX_REGISTERS.get(target))]
     bx = min(scan.BLOCK_X[target], head_dim)
     fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",
