@@ -17,7 +17,11 @@ over every token).
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import inspect
 import math
+import pathlib
 
 import pytest
 import torch
@@ -270,3 +274,23 @@ def test_preparation_holds_two_workgroups_per_gfx950_cu(aot_reports):
     for target in ("gfx950", "gfx942"):
         prep = aot_reports[(target, "kda_prefill prep")]
         assert prep.programs_per_unit >= 2, prep
+
+
+def test_the_benchmarks_source_edits_still_match_the_kernel(monkeypatch):
+    """benchmarks/kda_prefill.py times the preparation stopped after each phase (--phases) and
+    with each part replaced by a stand-in (--part-costs) by editing this module's source:
+    every edit must still find its text once and leave Python that parses, so that a kernel
+    change cannot silently break the tools its figures come from."""
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location("kda_prefill_benchmark", bench_dir / "kda_prefill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    src = inspect.getsource(kda_prefill)
+    edits = {f"stop before {marker.strip()}": [(marker, "    return\n" + marker)] for marker in bench.PHASES}
+    edits.update(bench.part_stand_ins(src))
+    assert len(edits) == 3 + 6
+    for name, change in edits.items():
+        edited = bench.edited(src, change)
+        assert edited != src, name
+        ast.parse(edited)
