@@ -92,8 +92,8 @@ def test_chunk_groups_at_every_group_residue(group_chunks):
     x = make(lens, slots=[3, 0, 6, 2, 7, 4, 8, 9], states=10, seed=4)
     reset_kernel_launches()
     o, state, o_ref, state_ref = run_both(x, chunk=16, group_chunks=group_chunks)
-    assert kernel_launches() == {"_chunk_table_kernel": 1, "_kda_chunk_prep_kernel": 1, "_kda_state_pass_kernel": 2,
-                                 "_kda_group_scan_kernel": 1}
+    assert kernel_launches() == {"_chunk_table_kernel": 1, "_chunk_groups_kernel": 1, "_kda_chunk_prep_kernel": 1,
+                                 "_kda_state_pass_kernel": 2, "_kda_group_scan_kernel": 1}
     close(o, o_ref, torch.float32, "o")
     close(state, state_ref, torch.float32, "state")
     assert torch.equal(state[[1, 5]], x["state"].cpu()[[1, 5]])
@@ -162,6 +162,37 @@ def test_chunk_table(cu_dtype):
         assert torch.equal(table.cu.cpu(), cu.cpu().long())
         assert torch.equal(table.seq_first.cpu(), ends - chunks) and torch.equal(table.seq_chunks.cpu(), chunks)
         assert torch.equal(table.seq[:count].cpu(), seq) and torch.equal(table.first[:count].cpu(), first)
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_chunk_groups(cu_dtype):
+    """The chunk groups of one launch against their definition: each sequence's chunks cut
+    into groups of ``size`` (the last may be shorter), numbered sequence after sequence,
+    each with its first chunk (chunks numbered as the chunk table numbers them) and chunk
+    count, 0 past the real groups; empty sequences, ragged ones, groups of one chunk, and
+    300 sequences (several of the kernel's blocks)."""
+    gen = torch.Generator().manual_seed(2)
+    for lens, chunk, size in (([0, 5, 0], 16, 1), ([1, 15, 16, 17, 31, 33, 48, 100], 16, 3), ([64], 64, 2),
+                              ([1000, 1, 4000], 64, 7),
+                              (torch.randint(0, 3000, (300,), generator=gen).tolist(), 64, 5)):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype, device=DEVICE)
+        groups = kda_prefill.chunk_groups(cu, sum(lens), chunk, size)
+        chunk0, chunks, seq_first, seq_groups = [], [], [], []
+        first_chunk = 0
+        for n in (-(-t // chunk) for t in lens):
+            seq_first.append(len(chunk0))
+            seq_groups.append(-(-n // size))
+            for k in range(seq_groups[-1]):
+                chunk0.append(first_chunk + k * size)
+                chunks.append(min(size, n - k * size))
+            first_chunk += n
+        worst = -(-kda_prefill.worst_chunks(sum(lens), len(lens), chunk) // size) + len(lens)
+        count = len(chunk0)
+        assert groups.size == size and groups.segments.chunk0.numel() == worst and int(groups.segments.count) == count
+        assert groups.segments.chunk0[:count].tolist() == chunk0
+        assert groups.segments.chunks.tolist() == chunks + [0] * (worst - count)
+        assert groups.seq_first.tolist() == seq_first and groups.seq_groups.tolist() == seq_groups
+        assert groups.start_rows.tolist() == list(range(worst)) and groups.end_rows.tolist() == [-1] * worst
 
 
 def test_group_size_only_where_the_gpu_would_idle():
@@ -248,11 +279,11 @@ def aot_requests() -> dict[tuple[str, str], aot.CompileRequest]:
 def test_kernels_compile_for_every_target(aot_reports):
     """At K3's per-rank shapes (12 heads, D = DV = 128, chunks of 64, bf16), compiled as
     the runtime launches them (on AMD with ROCm's buffer loads): every kernel (chunk
-    table, preparation, state pass with the outputs, group summaries, group scan) compiles
+    table, chunk groups, preparation, state pass with the outputs, group summaries, group scan) compiles
     and fits its targets' shared memory / LDS without spills on AMD; on sm_90 at most 16 words a
     thread (the preparation under its register cap, kda_prefill.PREP_MAX_REGISTERS, spills
     6 at three pipeline stages: decision 79)."""
-    assert len(aot_reports) == 5 * len(aot.TARGETS)
+    assert len(aot_reports) == 6 * len(aot.TARGETS)
     for (target, name), res in aot_reports.items():
         allowed = 0 if target.startswith("gfx") else 16
         assert res.fits, (target, name, res)

@@ -93,6 +93,7 @@ def test_prefill_grids_of_one_32k_prompt_on_mi355x(aot_reports):
     got = rows(aot_reports, "gfx950", k3_rank(1, 32768))
     assert got["kda prefill preparation"].planned.programs == 513 * 12
     # groups: the launcher's worst-case grid, cdiv(513, 103) + 1 = 6 segments (5 real)
+    assert got["kda prefill chunk groups"].planned.programs == 1  # the 6 segments' table, one launch
     assert got["kda prefill group summaries"].planned.programs == 6 * 12 * 8
     assert got["kda prefill group scan"].planned.programs == 12 * 4
     assert got["kda prefill state pass"].planned.programs == 6 * 12 * 4

@@ -41,7 +41,8 @@ Chunks are found on the device: each sequence's chunks are numbered after the pr
 sequences', and the grids are sized for the worst case, ``cdiv(T, BT) + sequences``;
 programs past the real count exit. No host synchronisation. The preparation, launched
 first, finds its own chunk (:func:`_locate_chunks`): the device waits for whatever the
-host does before that launch. The state pass reads :func:`chunk_table` (one launch).
+host does before that launch. The state pass reads :func:`chunk_table` (one launch) and,
+by chunk groups, :func:`chunk_groups` (one more).
 
 Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype);
 A, Aq and the inverse's products exact for an fp32 model, at the backend's default
@@ -326,8 +327,9 @@ TABLE_WARPS = 4
 
 
 @triton.jit
-def _sequence_chunks(cu_ptr, i, N, CHUNK: tl.constexpr):
-    """Sequences i's first tokens (int64) and chunk counts (int32; 0 for i >= N)."""
+def _sequence_chunks(cu_ptr, i, N, CHUNK):
+    """Sequences i's first tokens (int64) and chunk counts (int32; 0 for i >= N); CHUNK
+    tokens a chunk (a compile-time constant, or a group's tokens at run time)."""
     real = i < N
     lo = tl.load(cu_ptr + i, mask=real, other=0).to(tl.int64)
     tokens = tl.load(cu_ptr + i + 1, mask=real, other=0).to(tl.int64) - lo
@@ -335,7 +337,7 @@ def _sequence_chunks(cu_ptr, i, N, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _locate_chunks(cu_ptr, ids, N, CHUNK: tl.constexpr, BS: tl.constexpr):
+def _locate_chunks(cu_ptr, ids, N, CHUNK, BS: tl.constexpr):
     """Chunk ids [B] of the packed sequences delimited by cu_seqlens, cut in chunks of CHUNK
     tokens numbered sequence after sequence: each id's sequence (the number of sequences
     whose chunks end at or before it, ``searchsorted(ends, id, right=True)``; the last one
@@ -384,6 +386,49 @@ def _chunk_table_kernel(
         tl.store(counts_ptr + 1, total.to(tl.int64) * 0 + N)
 
 
+@triton.jit
+def _chunks_before(cu_ptr, seqs, N, CHUNK: tl.constexpr, BS: tl.constexpr):
+    """The chunks of the sequences before each of ``seqs``, BS sequences at a time."""
+    before = tl.zeros_like(seqs)
+    for s0 in range(0, N, BS):
+        i = s0 + tl.arange(0, BS)
+        _, n = _sequence_chunks(cu_ptr, i, N, CHUNK)
+        before += tl.sum(tl.where(i[None, :] < seqs[:, None], n[None, :], 0), axis=1)
+    return before
+
+
+@counted
+@triton.jit
+def _chunk_groups_kernel(
+    cu_ptr, chunk0_ptr, chunks_ptr, start_rows_ptr, end_rows_ptr, count_ptr, seq_first_ptr, seq_groups_ptr,
+    N, worst, size, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
+):
+    """Program p: groups [p BLOCK, (p + 1) BLOCK) of ``size`` chunks of CHUNK tokens, numbered
+    sequence after sequence (:func:`_locate_chunks` with a group's tokens for a chunk's): each
+    group's first chunk and chunk count (0 past the real groups), its row in the start
+    states (its number) and in the final states (-1: none). Program 0 also writes each
+    sequence's first group and group count, and the real count."""
+    ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    span = size * CHUNK
+    seq, first, total = _locate_chunks(cu_ptr, ids, N, span, BS)
+    lo, n = _sequence_chunks(cu_ptr, seq, N, CHUNK)
+    k = ((first - lo) // span).to(tl.int32)  # the group's index within its sequence
+    in_grid = ids < worst
+    tl.store(chunk0_ptr + ids, (_chunks_before(cu_ptr, seq, N, CHUNK, BS) + k * size).to(tl.int64), mask=in_grid)
+    tl.store(chunks_ptr + ids, tl.where(ids < total, tl.minimum(n - k * size, size), 0).to(tl.int64), mask=in_grid)
+    tl.store(start_rows_ptr + ids, ids.to(tl.int64), mask=in_grid)
+    tl.store(end_rows_ptr + ids, tl.full([BLOCK], -1, tl.int64), mask=in_grid)
+    if tl.program_id(0) == 0:
+        done = tl.zeros([], dtype=tl.int32)
+        for s0 in range(0, N, BS):
+            i = s0 + tl.arange(0, BS)
+            _, g = _sequence_chunks(cu_ptr, i, N, span)
+            tl.store(seq_first_ptr + i, (done + tl.cumsum(g, 0) - g).to(tl.int64), mask=i < N)
+            tl.store(seq_groups_ptr + i, g.to(tl.int64), mask=i < N)
+            done += tl.sum(g, 0)
+        tl.store(count_ptr, total.to(tl.int64))
+
+
 def worst_chunks(tokens: int, sequences: int, chunk: int) -> int:
     """The most chunks of ``chunk`` tokens that ``tokens`` packed tokens in ``sequences``
     sequences make (each sequence may end in a partial chunk): the grids' size."""
@@ -402,6 +447,20 @@ def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
         cu_seqlens, cu, seq, first, counts, seq_first, seq_chunks, N, worst, CHUNK=chunk, BLOCK=TABLE_BLOCK,
         BS=TABLE_SEQUENCES, num_warps=TABLE_WARPS)
     return ChunkTable(cu, seq, first, counts[:1], counts[1:], seq_first, seq_chunks)
+
+
+def chunk_groups(cu_seqlens: Tensor, total: int, chunk: int, size: int) -> scan.ChunkGroups:
+    """The packed sequences' chunks of ``chunk`` tokens cut into groups of ``size``
+    (:class:`kda_prefill_scan.ChunkGroups`), for a worst-case grid; computed on the device by
+    one launch, no host synchronisation."""
+    N = cu_seqlens.numel() - 1
+    worst = triton.cdiv(worst_chunks(total, N, chunk), size) + N
+    buf = torch.empty(4 * worst + 1 + 2 * N, dtype=torch.int64, device=cu_seqlens.device)
+    chunk0, chunks, start_rows, end_rows, count, seq_first, seq_groups = buf.split([worst] * 4 + [1, N, N])
+    _chunk_groups_kernel[(triton.cdiv(worst, TABLE_BLOCK),)](
+        cu_seqlens, chunk0, chunks, start_rows, end_rows, count, seq_first, seq_groups, N, worst, size, CHUNK=chunk,
+        BLOCK=TABLE_BLOCK, BS=TABLE_SEQUENCES, num_warps=TABLE_WARPS)
+    return scan.ChunkGroups(size, scan.Segments(chunk0, chunks, count), seq_first, seq_groups, start_rows, end_rows)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
@@ -519,7 +578,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     if group_chunks is None:
         group_chunks = scan.group_size(N, H, DV // bx, worst, compute_units(dev)) or 0
     if group_chunks:
-        groups = scan.chunk_groups(table.seq_first, table.seq_chunks, worst, group_chunks)
+        groups = chunk_groups(cu_seqlens, T, chunk, group_chunks)
         seg = groups.segments
         n = seg.chunk0.numel()
         summary = torch.empty((n, H, D, D + DV), **f32)
@@ -531,8 +590,8 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
             summary, starts, state, slots, groups.seq_first, groups.seq_groups, H, D=D, DV=DV, BV=bx,
             DOT_PRECISION=precision, num_warps=warps["scan"], num_stages=GROUP_SCAN_STAGES[target])
         scan._kda_state_pass_kernel[(n, H, DV // bx)](
-            *factors, starts, torch.arange(n, device=dev), state, torch.full((n,), -1, device=dev), seg.chunk0,
-            seg.chunks, seg.count, H, SUMMARY=False, **c)
+            *factors, starts, groups.start_rows, state, groups.end_rows, seg.chunk0, seg.chunks, seg.count, H,
+            SUMMARY=False, **c)
     else:
         scan._kda_state_pass_kernel[(N, H, DV // bx)](
             *factors, state, slots, state, slots, table.seq_first, table.seq_chunks, table.sequences, H,
@@ -550,11 +609,21 @@ def chunk_table_launch(chunk: int) -> KernelLaunch:
                         c, TABLE_WARPS)
 
 
+def chunk_groups_launch(chunk: int) -> KernelLaunch:
+    """The chunk-groups kernel as :func:`chunk_groups` launches it for chunks of ``chunk``
+    tokens (the runtime's cu_seqlens are int32)."""
+    types = {"cu_ptr": "*i32", **{p: "*i64" for p in ("chunk0_ptr", "chunks_ptr", "start_rows_ptr", "end_rows_ptr",
+                                                      "count_ptr", "seq_first_ptr", "seq_groups_ptr")}}
+    c = {"CHUNK": chunk, "BLOCK": TABLE_BLOCK, "BS": TABLE_SEQUENCES}
+    return KernelLaunch("kda_prefill chunk groups", _chunk_groups_kernel,
+                        launch_signature(_chunk_groups_kernel, types, c), c, TABLE_WARPS)
+
+
 def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     """Every kernel as the launcher runs it on ``target`` (a key of ``aot.TARGETS``) at K3's
-    per-rank shapes (12 heads, D = DV = 128): the chunk table, the preparation, the state
-    pass (states and outputs; group summaries) and the group scan."""
+    per-rank shapes (12 heads, D = DV = 128): the chunk table, the chunk groups, the
+    preparation, the state pass (states and outputs; group summaries) and the group scan."""
     warps = WARPS[target]
     t, wt = TRITON_DTYPES[dtype], TRITON_DTYPES[work_dtype(dtype)]
     precision = dot_precision(dtype)
@@ -564,9 +633,10 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                   **{p: f"*{wt}" for p in (*WORKSPACES, "qk_ptr")},
                   **{p: "*fp32" for p in ("gl_ptr", "gc_ptr", "a_ptr")},
                   "scale": "fp32", "eps": "fp32"}
-    launches = [chunk_table_launch(CHUNK), KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
-                             launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
-                             PREP_STAGES[target], max_registers=PREP_MAX_REGISTERS.get(target))]
+    prep = KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
+                        launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
+                        PREP_STAGES[target], max_registers=PREP_MAX_REGISTERS.get(target))
+    launches = [chunk_table_launch(CHUNK), chunk_groups_launch(CHUNK), prep]
     bx = min(scan.BLOCK_X[target], head_dim)
     fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",

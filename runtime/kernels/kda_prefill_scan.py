@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -150,26 +149,14 @@ class Segments:
 @dataclass(frozen=True)
 class ChunkGroups:
     """Each sequence's chunks cut into groups of ``size`` (its last group may be shorter),
-    numbered sequence after sequence; computed on the device."""
+    numbered sequence after sequence; computed on the device (``kda_prefill.chunk_groups``)."""
 
     size: int
     segments: Segments  # the groups
     seq_first: Tensor  # [N] each sequence's first group
     seq_groups: Tensor  # [N] its group count
-
-
-def chunk_groups(seq_chunk0: Tensor, seq_chunks: Tensor, worst_chunks: int, size: int) -> ChunkGroups:
-    """:class:`ChunkGroups` of sequences whose chunks start at ``seq_chunk0`` [N] and
-    number ``seq_chunks`` [N] (``worst_chunks`` of them at most in all)."""
-    N = seq_chunks.numel()
-    groups = (seq_chunks + size - 1) // size
-    ends = torch.cumsum(groups, 0)
-    first = ends - groups
-    ids = torch.arange(triton.cdiv(worst_chunks, size) + N, device=seq_chunks.device)
-    seq = torch.searchsorted(ends, ids, right=True).clamp_(max=N - 1)
-    k = ids - first[seq]  # the group's index within its sequence
-    chunks = (seq_chunks[seq] - k * size).clamp(0, size)
-    return ChunkGroups(size, Segments(seq_chunk0[seq] + k * size, chunks, ends[-1:]), first, groups)
+    start_rows: Tensor  # each group's row in the start states: its number
+    end_rows: Tensor  # and in the final states: -1, none (the group scan writes them)
 
 
 def group_size(sequences: int, heads: int, value_tiles: int, worst_chunks: int, units: int) -> int | None:

@@ -272,18 +272,22 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
              "aq_ptr": square * work, "qk_ptr": 2 * tile * work, "gc_ptr": tile * 4, "a_ptr": square * 4}
     if not kda_prefill.kernel_takes_dims(D, D):
         return []  # the reference: reference_fallbacks
-    ints = {"kda_prefill chunk table": {"N": s.batch, "worst": worst}, "kda_prefill prep": {"N": s.batch, "H": H}}
-    launches = {launch.name: aot.specialised(_sized(launch, sizes), **ints.get(launch.name, {"H": H}))
-                for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
     tiles = D // min(scan.BLOCK_X[target], D)
     group = scan.group_size(s.batch, H, tiles, worst, units)
+    segments = triton.cdiv(worst, group) + s.batch if group else 0  # the launcher's worst-case grid (chunk_groups)
+    ints = {"kda_prefill chunk table": {"N": s.batch, "worst": worst}, "kda_prefill prep": {"N": s.batch, "H": H},
+            "kda_prefill chunk groups": {"N": s.batch, "worst": segments, "size": group or 1}}
+    launches = {launch.name: aot.specialised(_sized(launch, sizes), **ints.get(launch.name, {"H": H}))
+                for launch in kda_prefill.aot_requests(target, H, D, s.dtype)}
     out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
                          f"chunks of {kda_prefill.CHUNK}"),
            PlannedLaunch("prefill", "kda prefill chunk table", launches["kda_prefill chunk table"],
                          triton.cdiv(worst, kda_prefill.TABLE_BLOCK), f"{kda_prefill.TABLE_BLOCK} chunks a program")]
     if group:
-        segments = triton.cdiv(worst, group) + s.batch  # the launcher's worst-case grid (kda_prefill_scan.chunk_groups)
-        out += [PlannedLaunch("prefill", "kda prefill group summaries", launches["kda_prefill group summaries"],
+        out += [PlannedLaunch("prefill", "kda prefill chunk groups", launches["kda_prefill chunk groups"],
+                              triton.cdiv(segments, kda_prefill.TABLE_BLOCK),
+                              f"{kda_prefill.TABLE_BLOCK} groups a program"),
+                PlannedLaunch("prefill", "kda prefill group summaries", launches["kda_prefill group summaries"],
                               segments * H * 2 * tiles, f"groups of {group} chunks"),
                 PlannedLaunch("prefill", "kda prefill group scan", launches["kda_prefill group scan"],
                               s.batch * H * tiles, f"{triton.cdiv(chunks, group)} groups a sequence"),
