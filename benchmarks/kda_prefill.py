@@ -51,6 +51,7 @@ import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.ops.kda import kda_gate, kda_prefill_reference
 from k3compile.runtime.kernels import kda_prefill as kp
 from k3compile.runtime.kernels import kda_prefill_scan as scan
+from k3compile.runtime.kernels import packed_chunks
 from k3compile.runtime.kernels.targets import compute_units
 
 H, D, DV, LOWER = 12, 128, 128, -5.0
@@ -291,15 +292,14 @@ def enqueue_ms(fn, repeats: int = 5, setup=tuple) -> float:
 
 
 def host_time(x: dict[str, torch.Tensor], repeats: int = 5) -> dict[str, object]:
-    """The host's time to enqueue one call of ours and, of that, the chunk table's (before
-    the twenty-sixth session it preceded the preparation's launch), and the functions with
-    the most own time (cProfile)."""
+    """The host's time to enqueue one call of ours and, of that, the chunk table's, and the
+    functions with the most own time (cProfile)."""
     import cProfile
     import pstats
 
     T = x["q"].shape[0]
     call = enqueue_ms(lambda state: ours(x, state), repeats, setup=lambda: (x["state"].clone(),))
-    table = enqueue_ms(lambda: kp.chunk_table(x["cu"], T, kp.CHUNK), 20)
+    table = enqueue_ms(lambda: packed_chunks.chunk_table(x["cu"], T, kp.CHUNK), 20)
     prof = cProfile.Profile()
     state = x["state"].clone()
     torch.cuda.synchronize()
@@ -376,7 +376,7 @@ def main() -> None:
                 row[f"{name} ms"] = round(timed(fn, x), 3)
                 row[f"{name} device-bound ms"] = round(timed(fn, x, covered=True), 3)
             value_tiles = DV // min(scan.BLOCK_X["sm_90"], DV)
-            row["groups"] = scan.group_size(batch, H, value_tiles, kp.worst_chunks(tokens * batch, batch, kp.CHUNK),
+            row["groups"] = scan.group_size(batch, H, value_tiles, packed_chunks.worst_chunks(tokens * batch, batch, kp.CHUNK),
                                             compute_units(x["q"].device))
             row["k3 ms"] = round(timed(ours, x), 3)
             row["k3 device-bound ms"] = round(timed(ours, x, covered=True), 3)

@@ -28,7 +28,7 @@ import torch
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
 from k3compile.ops.kda import L2NORM_EPS, kda_gate, kda_prefill_reference
-from k3compile.runtime.kernels import aot, kda_prefill, kernel_launches, reset_kernel_launches
+from k3compile.runtime.kernels import aot, kda_prefill, kernel_launches, packed_chunks, reset_kernel_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -151,7 +151,7 @@ def test_chunk_table(cu_dtype):
     for lens, chunk in (([0, 5, 0], 16), ([1, 15, 16, 17, 31, 33, 48], 16), ([64], 64),
                         (torch.randint(0, 300, (300,), generator=gen).tolist(), 64)):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype, device=DEVICE)
-        table = kda_prefill.chunk_table(cu, sum(lens), chunk)
+        table = packed_chunks.chunk_table(cu, sum(lens), chunk)
         chunks = torch.tensor([-(-n // chunk) for n in lens])
         ends = chunks.cumsum(0)
         count = int(ends[-1])
@@ -176,7 +176,7 @@ def test_chunk_groups(cu_dtype):
                               ([1000, 1, 4000], 64, 7),
                               (torch.randint(0, 3000, (300,), generator=gen).tolist(), 64, 5)):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype, device=DEVICE)
-        groups = kda_prefill.chunk_groups(cu, sum(lens), chunk, size)
+        groups = packed_chunks.chunk_groups(cu, sum(lens), chunk, size)
         chunk0, chunks, seq_first, seq_groups = [], [], [], []
         first_chunk = 0
         for n in (-(-t // chunk) for t in lens):
@@ -186,7 +186,7 @@ def test_chunk_groups(cu_dtype):
                 chunk0.append(first_chunk + k * size)
                 chunks.append(min(size, n - k * size))
             first_chunk += n
-        worst = -(-kda_prefill.worst_chunks(sum(lens), len(lens), chunk) // size) + len(lens)
+        worst = -(-packed_chunks.worst_chunks(sum(lens), len(lens), chunk) // size) + len(lens)
         count = len(chunk0)
         assert groups.size == size and groups.segments.chunk0.numel() == worst and int(groups.segments.count) == count
         assert groups.segments.chunk0[:count].tolist() == chunk0

@@ -40,9 +40,9 @@ freed after it: at most about 0.9 GB for 32K tokens at 12 heads, freed after the
 Chunks are found on the device: each sequence's chunks are numbered after the previous
 sequences', and the grids are sized for the worst case, ``cdiv(T, BT) + sequences``;
 programs past the real count exit. No host synchronisation. The preparation, launched
-first, finds its own chunk (:func:`_locate_chunks`): the device waits for whatever the
-host does before that launch. The state pass reads :func:`chunk_table` (one launch) and,
-by chunk groups, :func:`chunk_groups` (one more).
+first, finds its own chunk (``packed_chunks.locate_chunks``): the device waits for whatever the
+host does before that launch. The state pass reads ``packed_chunks.chunk_table`` (one
+launch) and, by chunk groups, ``packed_chunks.chunk_groups`` (one more).
 
 Numerics: the preparation in fp32 (from q and k normalised in the workspaces' dtype);
 A, Aq and the inverse's products exact for an fp32 model, at the backend's default
@@ -58,8 +58,6 @@ neither decay nor write the state, as in the reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -69,7 +67,9 @@ from k3compile.ops import kda as kda_ops
 from k3compile.ops.kda import L2NORM_EPS
 from k3compile.runtime.kernels import counted, interpreted
 from k3compile.runtime.kernels import kda_prefill_scan as scan
+from k3compile.runtime.kernels import packed_chunks
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
+from k3compile.runtime.kernels.packed_chunks import locate_chunks
 from k3compile.runtime.kernels.targets import compute_units, device_target, register_cap
 
 #: tokens per chunk (the reference's default), and per sub-chunk of the preparation's blocks
@@ -182,7 +182,7 @@ def _kda_chunk_prep_kernel(
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    seq, t0, chunks = _locate_chunks(cu_ptr, c + tl.arange(0, 1), N, BT, BS)  # the chunk table's, for one chunk
+    seq, t0, chunks = locate_chunks(cu_ptr, c + tl.arange(0, 1), N, BT, BS)  # the chunk table's, for one chunk
     if c >= chunks:
         return
     seq = tl.sum(seq, 0)
@@ -304,165 +304,6 @@ def _kda_chunk_prep_kernel(
         tl.store(u_ptr + base * BT * DV + rows[:, None] * DV + cols_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class ChunkTable:
-    """Packed sequences cut in chunks of ``chunk`` tokens, numbered sequence after
-    sequence, for a worst-case grid of :func:`worst_chunks` programs; computed on the device by
-    one launch, no host synchronisation."""
-
-    cu: Tensor  # cu_seqlens as int64 [N+1]
-    seq: Tensor  # [worst] each chunk's sequence (programs past ``count`` exit)
-    first: Tensor  # [worst] each chunk's first token
-    count: Tensor  # [1] the real number of chunks
-    sequences: Tensor  # [1] N
-    seq_first: Tensor  # [N] each sequence's first chunk
-    seq_chunks: Tensor  # [N] its chunk count
-
-
-#: chunk ids and sequences per block of the chunk-table kernel (their [ids, sequences]
-#: comparisons are live together), and its warps
-TABLE_BLOCK = 128
-TABLE_SEQUENCES = 32
-TABLE_WARPS = 4
-
-
-@triton.jit
-def _sequence_chunks(cu_ptr, i, N, CHUNK):
-    """Sequences i's first tokens (int64) and chunk counts (int32; 0 for i >= N); CHUNK
-    tokens a chunk (a compile-time constant, or a group's tokens at run time)."""
-    real = i < N
-    lo = tl.load(cu_ptr + i, mask=real, other=0).to(tl.int64)
-    tokens = tl.load(cu_ptr + i + 1, mask=real, other=0).to(tl.int64) - lo
-    return lo, tl.where(real, (tokens + CHUNK - 1) // CHUNK, 0).to(tl.int32)
-
-
-@triton.jit
-def _locate_chunks(cu_ptr, ids, N, CHUNK, BS: tl.constexpr):
-    """Chunk ids [B] of the packed sequences delimited by cu_seqlens, cut in chunks of CHUNK
-    tokens numbered sequence after sequence: each id's sequence (the number of sequences
-    whose chunks end at or before it, ``searchsorted(ends, id, right=True)``; the last one
-    for ids past the chunks) and first token (its sequence's first chunk is the largest of
-    those ends), and the number of chunks; BS sequences at a time."""
-    seq = tl.zeros_like(ids)
-    start = tl.zeros_like(ids)
-    total = tl.zeros([], dtype=tl.int32)
-    for s0 in range(0, N, BS):
-        i = s0 + tl.arange(0, BS)
-        _, n = _sequence_chunks(cu_ptr, i, N, CHUNK)
-        ends = total + tl.cumsum(n, 0)
-        before = (ends[None, :] <= ids[:, None]) & (i < N)[None, :]
-        seq += tl.sum(before.to(tl.int32), axis=1)
-        start = tl.maximum(start, tl.max(tl.where(before, ends[None, :], 0), axis=1))
-        total += tl.sum(n, 0)
-    seq = tl.minimum(seq, N - 1)
-    return seq, tl.load(cu_ptr + seq).to(tl.int64) + (ids - start).to(tl.int64) * CHUNK, total
-
-
-@counted
-@triton.jit
-def _chunk_table_kernel(
-    cu_in_ptr, cu_ptr, seq_ptr, first_ptr, counts_ptr, seq_first_ptr, seq_chunks_ptr,  # ChunkTable's tensors
-    N, worst, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
-):
-    """Program p: chunk ids [p BLOCK, (p + 1) BLOCK) (:func:`_locate_chunks`). Program 0 also
-    writes the per-sequence columns, cu_seqlens as int64 and the counts [chunks, N]."""
-    ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    seq, first, total = _locate_chunks(cu_in_ptr, ids, N, CHUNK, BS)
-    in_grid = ids < worst
-    tl.store(seq_ptr + ids, seq.to(tl.int64), mask=in_grid)
-    tl.store(first_ptr + ids, first, mask=in_grid)
-    if tl.program_id(0) == 0:
-        done = tl.zeros([], dtype=tl.int32)
-        for s0 in range(0, N, BS):
-            i = s0 + tl.arange(0, BS)
-            real = i < N
-            lo, n = _sequence_chunks(cu_in_ptr, i, N, CHUNK)
-            tl.store(cu_ptr + i, lo, mask=real)
-            tl.store(seq_first_ptr + i, (done + tl.cumsum(n, 0) - n).to(tl.int64), mask=real)
-            tl.store(seq_chunks_ptr + i, n.to(tl.int64), mask=real)
-            done += tl.sum(n, 0)
-        tl.store(cu_ptr + N, tl.load(cu_in_ptr + N).to(tl.int64))
-        tl.store(counts_ptr, total.to(tl.int64))
-        tl.store(counts_ptr + 1, total.to(tl.int64) * 0 + N)
-
-
-@triton.jit
-def _chunks_before(cu_ptr, seqs, N, CHUNK: tl.constexpr, BS: tl.constexpr):
-    """The chunks of the sequences before each of ``seqs``, BS sequences at a time."""
-    before = tl.zeros_like(seqs)
-    for s0 in range(0, N, BS):
-        i = s0 + tl.arange(0, BS)
-        _, n = _sequence_chunks(cu_ptr, i, N, CHUNK)
-        before += tl.sum(tl.where(i[None, :] < seqs[:, None], n[None, :], 0), axis=1)
-    return before
-
-
-@counted
-@triton.jit
-def _chunk_groups_kernel(
-    cu_ptr, chunk0_ptr, chunks_ptr, start_rows_ptr, end_rows_ptr, count_ptr, seq_first_ptr, seq_groups_ptr,
-    N, worst, size, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BS: tl.constexpr,
-):
-    """Program p: groups [p BLOCK, (p + 1) BLOCK) of ``size`` chunks of CHUNK tokens, numbered
-    sequence after sequence (:func:`_locate_chunks` with a group's tokens for a chunk's): each
-    group's first chunk and chunk count (0 past the real groups), its row in the start
-    states (its number) and in the final states (-1: none). Program 0 also writes each
-    sequence's first group and group count, and the real count."""
-    ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    span = size * CHUNK
-    seq, first, total = _locate_chunks(cu_ptr, ids, N, span, BS)
-    lo, n = _sequence_chunks(cu_ptr, seq, N, CHUNK)
-    k = ((first - lo) // span).to(tl.int32)  # the group's index within its sequence
-    in_grid = ids < worst
-    tl.store(chunk0_ptr + ids, (_chunks_before(cu_ptr, seq, N, CHUNK, BS) + k * size).to(tl.int64), mask=in_grid)
-    tl.store(chunks_ptr + ids, tl.where(ids < total, tl.minimum(n - k * size, size), 0).to(tl.int64), mask=in_grid)
-    tl.store(start_rows_ptr + ids, ids.to(tl.int64), mask=in_grid)
-    tl.store(end_rows_ptr + ids, tl.full([BLOCK], -1, tl.int64), mask=in_grid)
-    if tl.program_id(0) == 0:
-        done = tl.zeros([], dtype=tl.int32)
-        for s0 in range(0, N, BS):
-            i = s0 + tl.arange(0, BS)
-            _, g = _sequence_chunks(cu_ptr, i, N, span)
-            tl.store(seq_first_ptr + i, (done + tl.cumsum(g, 0) - g).to(tl.int64), mask=i < N)
-            tl.store(seq_groups_ptr + i, g.to(tl.int64), mask=i < N)
-            done += tl.sum(g, 0)
-        tl.store(count_ptr, total.to(tl.int64))
-
-
-def worst_chunks(tokens: int, sequences: int, chunk: int) -> int:
-    """The most chunks of ``chunk`` tokens that ``tokens`` packed tokens in ``sequences``
-    sequences make (each sequence may end in a partial chunk): the grids' size."""
-    return triton.cdiv(tokens, chunk) + sequences
-
-
-def chunk_table(cu_seqlens: Tensor, total: int, chunk: int) -> ChunkTable:
-    """The :class:`ChunkTable` of ``total`` packed tokens delimited by ``cu_seqlens``."""
-    N = cu_seqlens.numel() - 1
-    worst = worst_chunks(total, N, chunk)
-    i64 = {"dtype": torch.int64, "device": cu_seqlens.device}
-    cu, seq, first, counts = torch.empty(N + 1, **i64), torch.empty(worst, **i64), torch.empty(worst, **i64), \
-        torch.empty(2, **i64)
-    seq_first, seq_chunks = torch.empty(N, **i64), torch.empty(N, **i64)
-    _chunk_table_kernel[(triton.cdiv(worst, TABLE_BLOCK),)](
-        cu_seqlens, cu, seq, first, counts, seq_first, seq_chunks, N, worst, CHUNK=chunk, BLOCK=TABLE_BLOCK,
-        BS=TABLE_SEQUENCES, num_warps=TABLE_WARPS)
-    return ChunkTable(cu, seq, first, counts[:1], counts[1:], seq_first, seq_chunks)
-
-
-def chunk_groups(cu_seqlens: Tensor, total: int, chunk: int, size: int) -> scan.ChunkGroups:
-    """The packed sequences' chunks of ``chunk`` tokens cut into groups of ``size``
-    (:class:`kda_prefill_scan.ChunkGroups`), for a worst-case grid; computed on the device by
-    one launch, no host synchronisation."""
-    N = cu_seqlens.numel() - 1
-    worst = triton.cdiv(worst_chunks(total, N, chunk), size) + N
-    buf = torch.empty(4 * worst + 1 + 2 * N, dtype=torch.int64, device=cu_seqlens.device)
-    chunk0, chunks, start_rows, end_rows, count, seq_first, seq_groups = buf.split([worst] * 4 + [1, N, N])
-    _chunk_groups_kernel[(triton.cdiv(worst, TABLE_BLOCK),)](
-        cu_seqlens, chunk0, chunks, start_rows, end_rows, count, seq_first, seq_groups, N, worst, size, CHUNK=chunk,
-        BLOCK=TABLE_BLOCK, BS=TABLE_SEQUENCES, num_warps=TABLE_WARPS)
-    return scan.ChunkGroups(size, scan.Segments(chunk0, chunks, count), seq_first, seq_groups, start_rows, end_rows)
-
-
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, cu_seqlens: Tensor,
            slots: Tensor) -> None:
     T, H, D = q.shape
@@ -511,7 +352,7 @@ def prep_constants(target: str, D: int, DV: int, chunk: int, dtype: torch.dtype)
     chunks of ``chunk`` tokens and a model in ``dtype``."""
     return {"D": D, "DV": DV, "BT": chunk, "BC": SUB_CHUNK, "BC_LOG2": SUB_CHUNK.bit_length() - 1,
             "NC_LOG2": (chunk // SUB_CHUNK).bit_length() - 1, "BD": head_slice(target, D), "BW": w_block(D, DV),
-            "BS": TABLE_SEQUENCES, "DOT_PRECISION": dot_precision(dtype)}
+            "BS": packed_chunks.TABLE_SEQUENCES, "DOT_PRECISION": dot_precision(dtype)}
 
 
 def kernel_takes_dims(D: int, DV: int, chunk: int = CHUNK) -> bool:
@@ -545,7 +386,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     dev = q.device
     # The preparation first (it finds its chunks itself): what the host does before its
     # launch, the device waits for.
-    worst = worst_chunks(T, N, chunk)
+    worst = packed_chunks.worst_chunks(T, N, chunk)
     f32 = {"dtype": torch.float32, "device": dev}
     work = {"dtype": work_dtype(v.dtype), "device": dev}
     w, qg, ke = (torch.empty((worst, H, chunk, D), **work) for _ in range(3))
@@ -568,7 +409,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
         **register_cap(target, PREP_MAX_REGISTERS.get(target)),
     )
     del qk, g_cum, a
-    table = chunk_table(cu_seqlens, T, chunk)
+    table = packed_chunks.chunk_table(cu_seqlens, T, chunk)
     o = torch.empty((T, H, DV), dtype=v.dtype, device=dev)
     slots = slots.to(device=dev, dtype=torch.int64)
     bx = min(scan.BLOCK_X[target], D, DV)
@@ -578,7 +419,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     if group_chunks is None:
         group_chunks = scan.group_size(N, H, DV // bx, worst, compute_units(dev)) or 0
     if group_chunks:
-        groups = chunk_groups(cu_seqlens, T, chunk, group_chunks)
+        groups = packed_chunks.chunk_groups(cu_seqlens, T, chunk, group_chunks)
         seg = groups.segments
         n = seg.chunk0.numel()
         summary = torch.empty((n, H, D, D + DV), **f32)
@@ -599,26 +440,6 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     return o
 
 
-def chunk_table_launch(chunk: int) -> KernelLaunch:
-    """The chunk-table kernel as :func:`chunk_table` launches it for chunks of ``chunk``
-    tokens (the runtime's cu_seqlens are int32)."""
-    types = {"cu_in_ptr": "*i32", **{p: "*i64" for p in ("cu_ptr", "seq_ptr", "first_ptr", "counts_ptr",
-                                                         "seq_first_ptr", "seq_chunks_ptr")}}
-    c = {"CHUNK": chunk, "BLOCK": TABLE_BLOCK, "BS": TABLE_SEQUENCES}
-    return KernelLaunch("kda_prefill chunk table", _chunk_table_kernel, launch_signature(_chunk_table_kernel, types, c),
-                        c, TABLE_WARPS)
-
-
-def chunk_groups_launch(chunk: int) -> KernelLaunch:
-    """The chunk-groups kernel as :func:`chunk_groups` launches it for chunks of ``chunk``
-    tokens (the runtime's cu_seqlens are int32)."""
-    types = {"cu_ptr": "*i32", **{p: "*i64" for p in ("chunk0_ptr", "chunks_ptr", "start_rows_ptr", "end_rows_ptr",
-                                                      "count_ptr", "seq_first_ptr", "seq_groups_ptr")}}
-    c = {"CHUNK": chunk, "BLOCK": TABLE_BLOCK, "BS": TABLE_SEQUENCES}
-    return KernelLaunch("kda_prefill chunk groups", _chunk_groups_kernel,
-                        launch_signature(_chunk_groups_kernel, types, c), c, TABLE_WARPS)
-
-
 def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
                  dtype: torch.dtype = torch.bfloat16) -> list[KernelLaunch]:
     """Every kernel as the launcher runs it on ``target`` (a key of ``aot.TARGETS``) at K3's
@@ -636,7 +457,7 @@ def aot_requests(target: str, heads: int = 12, head_dim: int = 128,
     prep = KernelLaunch("kda_prefill prep", _kda_chunk_prep_kernel,
                         launch_signature(_kda_chunk_prep_kernel, prep_types, prep_c), prep_c, warps["prep"],
                         PREP_STAGES[target], max_registers=PREP_MAX_REGISTERS.get(target))
-    launches = [chunk_table_launch(CHUNK), chunk_groups_launch(CHUNK), prep]
+    launches = [packed_chunks.chunk_table_launch(CHUNK), packed_chunks.chunk_groups_launch(CHUNK), prep]
     bx = min(scan.BLOCK_X[target], head_dim)
     fp32 = ("gl_ptr", "x0_ptr", "end_ptr", "summary_ptr", "starts_ptr", "state_ptr")
     i64 = ("x0_row_ptr", "end_row_ptr", "seg_chunk0_ptr", "seg_chunks_ptr", "n_seg_ptr", "slots_ptr",

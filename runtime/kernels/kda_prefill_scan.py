@@ -34,11 +34,9 @@ chunk (:func:`group_size`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import triton
 import triton.language as tl
-from torch import Tensor
 
 from k3compile.runtime.kernels import counted
 
@@ -134,29 +132,6 @@ def _kda_group_scan_kernel(
         M = tl.load(summary + dk[None, :])
         S = tl.dot(M, S, input_precision=DOT_PRECISION) + tl.load(summary + D + cols[None, :])
     tl.store(state_ptr + s_off, S)
-
-
-@dataclass(frozen=True)
-class Segments:
-    """Runs of chunks the state pass walks: per segment its first chunk and chunk count,
-    and the real count [1] (a worst-case grid; programs past it exit)."""
-
-    chunk0: Tensor
-    chunks: Tensor
-    count: Tensor
-
-
-@dataclass(frozen=True)
-class ChunkGroups:
-    """Each sequence's chunks cut into groups of ``size`` (its last group may be shorter),
-    numbered sequence after sequence; computed on the device (``kda_prefill.chunk_groups``)."""
-
-    size: int
-    segments: Segments  # the groups
-    seq_first: Tensor  # [N] each sequence's first group
-    seq_groups: Tensor  # [N] its group count
-    start_rows: Tensor  # each group's row in the start states: its number
-    end_rows: Tensor  # and in the final states: -1, none (the group scan writes them)
 
 
 def group_size(sequences: int, heads: int, value_tiles: int, worst_chunks: int, units: int) -> int | None:

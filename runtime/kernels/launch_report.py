@@ -29,8 +29,8 @@ import triton
 from k3compile.config import K3Config
 from k3compile.mla_cache_fp8 import fp8_row_width, is_fp8_dtype
 from k3compile.runtime.kernels import (activations, aot, attn_res, dcp_merge, kda_decode_plans, kda_prefill,
-                                       mla_cache_write, mla_input_proj, moe, moe_dequant, moe_input, routing, rows,
-                                       short_conv)
+                                       mla_cache_write, mla_input_proj, moe, moe_dequant, moe_input, packed_chunks,
+                                       routing, rows, short_conv)
 from k3compile.runtime.kernels import mla_attention as attention
 from k3compile.runtime.kernels import kda_prefill_scan as scan
 from k3compile.runtime.kernels import mla_prefill_expanded as expanded
@@ -263,7 +263,7 @@ def _dedup_rows(target: str, s: StepShapes) -> list[PlannedLaunch]:
 def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     H, D = s.kda_heads, s.kda_head_dim
     chunks = triton.cdiv(s.context, kda_prefill.CHUNK)
-    worst = kda_prefill.worst_chunks(s.batch * s.context, s.batch, kda_prefill.CHUNK)
+    worst = packed_chunks.worst_chunks(s.batch * s.context, s.batch, kda_prefill.CHUNK)
     T, BT, act = s.batch * s.context, kda_prefill.CHUNK, s.dtype.itemsize
     work = kda_prefill.work_dtype(s.dtype).itemsize
     tile, square = worst * H * BT * D, worst * H * BT * BT
@@ -274,7 +274,7 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
         return []  # the reference: reference_fallbacks
     tiles = D // min(scan.BLOCK_X[target], D)
     group = scan.group_size(s.batch, H, tiles, worst, units)
-    segments = triton.cdiv(worst, group) + s.batch if group else 0  # the launcher's worst-case grid (chunk_groups)
+    segments = packed_chunks.worst_groups(worst, s.batch, group) if group else 0  # the launcher's grid
     ints = {"kda_prefill chunk table": {"N": s.batch, "worst": worst}, "kda_prefill prep": {"N": s.batch, "H": H},
             "kda_prefill chunk groups": {"N": s.batch, "worst": segments, "size": group or 1}}
     launches = {launch.name: aot.specialised(_sized(launch, sizes), **ints.get(launch.name, {"H": H}))
@@ -282,11 +282,11 @@ def _kda_prefill(target: str, s: StepShapes, units: int) -> list[PlannedLaunch]:
     out = [PlannedLaunch("prefill", "kda prefill preparation", launches["kda_prefill prep"], worst * H,
                          f"chunks of {kda_prefill.CHUNK}"),
            PlannedLaunch("prefill", "kda prefill chunk table", launches["kda_prefill chunk table"],
-                         triton.cdiv(worst, kda_prefill.TABLE_BLOCK), f"{kda_prefill.TABLE_BLOCK} chunks a program")]
+                         triton.cdiv(worst, packed_chunks.TABLE_BLOCK), f"{packed_chunks.TABLE_BLOCK} chunks a program")]
     if group:
         out += [PlannedLaunch("prefill", "kda prefill chunk groups", launches["kda_prefill chunk groups"],
-                              triton.cdiv(segments, kda_prefill.TABLE_BLOCK),
-                              f"{kda_prefill.TABLE_BLOCK} groups a program"),
+                              triton.cdiv(segments, packed_chunks.TABLE_BLOCK),
+                              f"{packed_chunks.TABLE_BLOCK} groups a program"),
                 PlannedLaunch("prefill", "kda prefill group summaries", launches["kda_prefill group summaries"],
                               segments * H * 2 * tiles, f"groups of {group} chunks"),
                 PlannedLaunch("prefill", "kda prefill group scan", launches["kda_prefill group scan"],
@@ -382,8 +382,9 @@ def _per_token(phase: str, s: StepShapes, tokens: int) -> list[PlannedLaunch]:
         C, blocks = s.kda_heads * s.kda_head_dim, triton.cdiv(s.kda_heads * s.kda_head_dim, short_conv.BLOCK_C)
         chunks = triton.cdiv(s.context, short_conv.BLOCK_T) * s.batch
         conv, state = short_conv.aot_requests(C, s.dtype)
-        add("kda short conv chunk table", kda_prefill.chunk_table_launch(short_conv.BLOCK_T),
-            triton.cdiv(chunks + s.batch, kda_prefill.TABLE_BLOCK), "", N=s.batch, worst=chunks + s.batch)
+        worst = packed_chunks.worst_chunks(s.context * s.batch, s.batch, short_conv.BLOCK_T)
+        add("kda short conv chunk table", packed_chunks.chunk_table_launch(short_conv.BLOCK_T),
+            triton.cdiv(worst, packed_chunks.TABLE_BLOCK), "", N=s.batch, worst=worst)
         add("kda short conv", conv, chunks * blocks, f"{short_conv.BLOCK_T} tokens x {short_conv.BLOCK_C} channels",
             C=C)
         add("kda short conv state", state, s.batch * blocks, "", C=C)

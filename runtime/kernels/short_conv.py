@@ -9,7 +9,7 @@ sequences in Python; here:
 
 1. ``_short_conv_kernel``, grid (chunks of BT tokens over all sequences, channel blocks):
    each output from its K inputs, read from x or, before a sequence's first token, from
-   its conv state (chunks numbered on the device: ``kda_prefill.chunk_table``).
+   its conv state (chunks numbered on the device: ``packed_chunks.chunk_table``).
 2. ``_conv_state_kernel``, grid (sequences, channel blocks): the new conv states, after
    the outputs read the old ones (stream order).
 """
@@ -24,7 +24,7 @@ from torch import Tensor
 from k3compile.ops import kda as kda_ops
 from k3compile.runtime.kernels import counted
 from k3compile.runtime.kernels.aot import TRITON_DTYPES, KernelLaunch, launch_signature
-from k3compile.runtime.kernels.kda_prefill import chunk_table
+from k3compile.runtime.kernels.packed_chunks import chunk_table
 
 #: tokens and channels per program of the output kernel, and its warps (AOT at K3's shapes,
 #: bf16: 32 tokens spilled on sm_90 at 4 and 8 warps; 16 tokens at 8 warps: 168 registers)
